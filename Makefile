@@ -1,0 +1,30 @@
+# The two commands of the README's quick start. Each creates .venv (once) with what it needs.
+PYTHON ?= python3
+CONSTRAINTS ?= requirements/cpu.txt
+EXTRAS ?= jax,torch,liger,test,bench
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: parity test bench-smoke venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+# The main job: the cross-framework parity-and-speed report on this machine's default device.
+parity: $(STAMP)
+	$(VENV)/bin/python -m parity $(ARGS)
+
+# The tests (CPU: kernels in the Triton interpreter and Pallas interpret mode).
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+bench-smoke: $(STAMP)
+	$(VENV)/bin/python -m bench op --smoke
+
+clean:
+	rm -rf $(VENV) *.egg-info

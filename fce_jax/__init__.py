@@ -1,0 +1,4 @@
+"""fce_jax: fused linear cross-entropy (and CPO) for JAX on Pallas kernels, with a custom VJP."""
+from .api import fused_lce
+
+__all__ = ["fused_lce"]

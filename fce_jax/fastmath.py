@@ -1,0 +1,59 @@
+"""The elementwise float32 operations whose bits the two twins must share (see docs/NUMERICS.md).
+
+On the GPU each one is a single PTX instruction emitted as inline assembly, so no compiler can contract,
+re-associate or substitute it; `fce_torch/fastmath.py` emits the same instructions. Pallas interpret mode has
+no inline assembly: there (`asm=False`) the same formulas run with plain operations.
+"""
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _asm(op, *args):
+    shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+    args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in args]
+    operands = ", ".join(f"${i}" for i in range(len(args) + 1))
+    [out] = pltriton.elementwise_inline_asm(
+        f"{op} {operands};", args=args, constraints=",".join(["=f"] + ["f"] * len(args)), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+    return out
+
+
+def ex2(x, asm):
+    """2**x (`ex2.approx.ftz.f32`)."""
+    return _asm("ex2.approx.ftz.f32", x) if asm else jnp.exp2(x)
+
+
+def lg2(x, asm):
+    """log2(x) (`lg2.approx.ftz.f32`)."""
+    return _asm("lg2.approx.ftz.f32", x) if asm else jnp.log2(x)
+
+
+def mul(x, y, asm):
+    """x * y, never contracted into an FMA (`mul.rn.f32`)."""
+    return _asm("mul.rn.f32", x, y) if asm else x * y
+
+
+def div(x, y, asm):
+    """x / y, correctly rounded (`div.rn.f32`)."""
+    return _asm("div.rn.f32", x, y) if asm else x / y
+
+
+def fma(x, y, z, asm):
+    """x * y + z with one rounding (`fma.rn.f32`)."""
+    return _asm("fma.rn.f32", x, y, z) if asm else x * y + z
+
+
+def tanh(u, asm):
+    """tanh(u): an odd polynomial below |u| = 0.125, else (1 - e) / (1 + e) with e = 2**(-2|u| log2 e)."""
+    u2 = mul(u, u, asm)
+    poly = fma(u2, -0.05396825396825397, 0.13333333333333333, asm)
+    poly = fma(u2, poly, -0.3333333333333333, asm)
+    small = fma(u, mul(poly, u2, asm), u, asm)
+    e = ex2(mul(jnp.abs(u), -2.0 * LOG2E, asm), asm)
+    big = div(1.0 - e, 1.0 + e, asm)
+    big = jnp.where(u < 0.0, -big, big)
+    return jnp.where(jnp.abs(u) < 0.125, small, big)

@@ -1,0 +1,5 @@
+"""fce_torch: fused linear cross-entropy (and CPO) for PyTorch on Triton kernels."""
+from .api import fused_lce
+from .liger_module import FusedLinearCrossEntropyLoss
+
+__all__ = ["fused_lce", "FusedLinearCrossEntropyLoss"]

@@ -1,0 +1,78 @@
+"""Pass B over a chunk of float32 logits: dZ = (a p + b onehot(y) + c w) (x softcap derivative), and db.
+
+The dZ kernel walks each block of rows left to right, so it may write its output into the logits' own
+memory (a 16-bit dZ row occupies the first half of its float32 row): every write lands on columns this
+program has already read. Twin: fce_jax/dlogits.py.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import fastmath as fm
+from .fastmath import LOG2E
+from .row_stats import BLOCK_ROWS, BLOCK_V, logit_transform
+
+
+@triton.jit
+def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr, lse_ptr, a_ptr, b_ptr, c_ptr,
+                    n_rows, V, softcap,
+                    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+                    BR: tl.constexpr, BV: tl.constexpr, ASM: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    y = tl.load(y_ptr + rows, mask=row_ok, other=0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+    b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
+    c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
+    cols0 = tl.arange(0, BV)
+    for start in range(0, V, BV):
+        cols = start + cols0
+        col_ok = cols < V
+        mask = row_ok[:, None] & col_ok[None, :]
+        r = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
+        if HAS_BIAS:
+            r = r + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z, t = logit_transform(r, softcap, HAS_SOFTCAP, ASM)
+        p = fm.ex2((z - lse[:, None]) * LOG2E, ASM)
+        dz = fm.fma(a[:, None], p, tl.where(cols[None, :] == y[:, None], b[:, None], 0.0), ASM)
+        if HAS_CW:
+            w = tl.load(cw_ptr + cols, mask=col_ok, other=0.0)
+            dz = fm.fma(c[:, None], w[None, :], dz, ASM)
+        else:
+            dz = dz + c[:, None]
+        if HAS_SOFTCAP:
+            dz = fm.mul(dz, fm.fma(-t, t, 1.0, ASM), ASM)
+        tl.store(dz_ptr + rows64[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_grad_kernel(dz_ptr, stride_dz, db_ptr, n_rows, V, BV: tl.constexpr):
+    cols = tl.program_id(0) * BV + tl.arange(0, BV)
+    col_ok = cols < V
+    acc = tl.load(db_ptr + cols, mask=col_ok, other=0.0)
+    for i in range(0, n_rows):
+        acc += tl.load(dz_ptr + i * stride_dz + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(db_ptr + cols, acc, mask=col_ok)
+
+
+def dlogits(z, dz, bias, y, class_weights, lse, a, b, c, *, softcap, asm):
+    """Write dZ for the float32 logits `z` [n, V] into `dz` [n, V] (may alias z's memory, see above)."""
+    n, V = z.shape
+    if n == 0:
+        return
+    _dlogits_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
+        z, z.stride(0), dz, dz.stride(0), bias if bias is not None else z, y,
+        class_weights if class_weights is not None else z, lse, a, b, c,
+        n, V, float(softcap or 1.0),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_CW=class_weights is not None,
+        BR=BLOCK_ROWS, BV=BLOCK_V, ASM=asm, num_warps=4)
+
+
+def accumulate_bias_grad(dz, db):
+    """db [V] float32 += column sums of dz [n, V], adding the rows in order (deterministic)."""
+    n, V = dz.shape
+    if n == 0:
+        return
+    _bias_grad_kernel[(triton.cdiv(V, BLOCK_V),)](dz, dz.stride(0), db, n, V, BV=BLOCK_V, num_warps=4)

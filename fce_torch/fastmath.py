@@ -1,0 +1,86 @@
+"""The elementwise float32 operations whose bits the two twins must share (see docs/NUMERICS.md).
+
+On the GPU each one is a single PTX instruction emitted as inline assembly, so no compiler can contract,
+re-associate or substitute it; `fce_jax/fastmath.py` emits the same instructions. The Triton interpreter has
+no inline assembly: there (`ASM=False`) the same formulas run with plain operations.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _asm1(op: tl.constexpr, x):
+    return tl.inline_asm_elementwise(op + " $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _asm2(op: tl.constexpr, x, y):
+    return tl.inline_asm_elementwise(op + " $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def ex2(x, ASM: tl.constexpr):
+    """2**x (`ex2.approx.ftz.f32`)."""
+    if ASM:
+        out = _asm1("ex2.approx.ftz.f32", x)
+    else:
+        out = tl.exp2(x)
+    return out
+
+
+@triton.jit
+def lg2(x, ASM: tl.constexpr):
+    """log2(x) (`lg2.approx.ftz.f32`)."""
+    if ASM:
+        out = _asm1("lg2.approx.ftz.f32", x)
+    else:
+        out = tl.log2(x)
+    return out
+
+
+@triton.jit
+def mul(x, y, ASM: tl.constexpr):
+    """x * y, never contracted into an FMA (`mul.rn.f32`)."""
+    if ASM:
+        out = _asm2("mul.rn.f32", x, y)
+    else:
+        out = x * y
+    return out
+
+
+@triton.jit
+def div(x, y, ASM: tl.constexpr):
+    """x / y, correctly rounded (`div.rn.f32`)."""
+    if ASM:
+        out = _asm2("div.rn.f32", x, y)
+    else:
+        out = x / y
+    return out
+
+
+@triton.jit
+def fma(x, y, z, ASM: tl.constexpr):
+    """x * y + z with one rounding (`fma.rn.f32`)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [x, y, z], dtype=tl.float32,
+                                        is_pure=True, pack=1)
+    else:
+        out = x * y + z
+    return out
+
+
+@triton.jit
+def tanh(u, ASM: tl.constexpr):
+    """tanh(u): an odd polynomial below |u| = 0.125, else (1 - e) / (1 + e) with e = 2**(-2|u| log2 e)."""
+    u2 = mul(u, u, ASM)
+    poly = fma(u2, -0.05396825396825397, 0.13333333333333333, ASM)
+    poly = fma(u2, poly, -0.3333333333333333, ASM)
+    small = fma(u, mul(poly, u2, ASM), u, ASM)
+    e = ex2(mul(tl.abs(u), -2.0 * LOG2E, ASM), ASM)
+    big = div(1.0 - e, 1.0 + e, ASM)
+    big = tl.where(u < 0.0, -big, big)
+    return tl.where(tl.abs(u) < 0.125, small, big)

@@ -1,0 +1,67 @@
+"""pytest configuration for the fce tests.
+
+The first statements run before any test module imports triton or jax: on a machine without an NVIDIA GPU
+they select the Triton interpreter (``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` is defined)
+and the JAX CPU backend (``JAX_PLATFORMS=cpu``, only if the caller has not set it). ``FCE_TEST_DEVICE=cpu``
+or ``=cuda`` overrides the detection (which looks for ``nvidia-smi`` on the PATH).
+
+Provided here: the ``device`` fixture ("cuda" or "cpu"), the ``gpu`` marker (skipped without a GPU), and
+automatic parametrization of any test that takes a ``case`` argument over ``parity.cases.small_cases()``
+(unless the test parametrizes ``case`` itself). Assertion helpers live in ``tests/helpers.py``.
+"""
+
+import os
+import shutil
+import sys
+
+_forced = os.environ.get("FCE_TEST_DEVICE", "").strip().lower()
+HAS_GPU = _forced == "cuda" if _forced in ("cpu", "cuda") else shutil.which("nvidia-smi") is not None
+if not HAS_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# `from helpers import ...` works whatever pytest's import mode is.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+import pytest  # noqa: E402
+
+from parity.cases import small_cases  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped on CPU-only machines)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrize a bare ``case`` argument over ``small_cases()`` (ids: the case names)."""
+    if "case" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
+        names = [s.strip() for s in names.split(",")] if isinstance(names, str) else list(names)
+        if "case" in names:
+            return
+    cases = small_cases()
+    metafunc.parametrize("case", cases, ids=[c.name for c in cases])
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """"cuda" when the tests run on a GPU, else "cpu"."""
+    if HAS_GPU:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+    return "cpu"
