@@ -1,9 +1,11 @@
 """Public signature and input validation of `fused_lce` (SPEC §1). Twin: fce_torch/api.py."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .engine import Options, fused_lce_rows
+from .engine import Options, flce_run, fused_lce_none, precomputed_grad
 from .head import pairwise_sum
 
 FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -110,7 +112,11 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
     x2 = jnp.reshape(x, (-1, hidden))
     y = jnp.reshape(targets, (-1,)).astype(jnp.int32)
     cw = None if class_weights is None else jax.lax.stop_gradient(jnp.asarray(class_weights, jnp.float32))
-    loss, zstat, lse, correct = fused_lce_rows(x2, weight, bias, y, cw, opt)
+    if reduction == "none":
+        loss, zstat, lse, correct = fused_lce_none(x2, weight, bias, y, cw, opt)
+    else:
+        run = functools.partial(flce_run, y=y, class_weights=cw, opt=opt)
+        loss, zstat, lse, correct = precomputed_grad(x2, weight, bias, run)
     if reduction == "none":
         loss, zstat = loss.reshape(lead_shape), zstat.reshape(lead_shape)
     if not return_stats:

@@ -1,10 +1,11 @@
-"""The chunked engine (C3): logits GEMM -> row statistics -> head -> dlogits -> dX and dW GEMMs, per chunk.
+"""The chunked engine (C3): logits GEMM -> row statistics -> loss head -> dlogits -> dX and dW GEMMs.
 
-`sweep` runs it over all rows (the first chunk, a `lax.scan` over the full chunks after it, the tail chunk:
-the same order as fce_torch's loop); `fused_lce_rows` pairs it with `jax.custom_vjp`. The primal call without
-differentiation computes the loss only; for "mean"/"sum" the forward rule computes the gradients and the
-backward only scales them; for "none" the backward sweeps again with the per-row cotangent folded into the
-head (four GEMMs). Twin: fce_torch/engine.py.
+`sweep` runs it over all rows, chunk by chunk (the first chunk, a `lax.scan` over the full chunks after it,
+the tail: fce_torch's loop order), for any loss head (FLCE here, CPO in cpo.py): the head turns one chunk's row
+statistics into its outputs and the per-row gradient coefficients a, b, c. `precomputed_grad` pairs a sweep
+that computed the gradients in the forward pass with `jax.custom_vjp` (the backward only scales); the plain
+primal call computes the loss only. `fused_lce_none` serves reduction="none", whose backward sweeps again
+with the per-row cotangent (four GEMMs). Twin: fce_torch/engine.py.
 """
 import functools
 from dataclasses import dataclass
@@ -16,11 +17,11 @@ from jax import lax
 from . import gemm
 from .chunking import chunk_rows
 from .dlogits import accumulate_bias_grad, dlogits
-from .head import MEAN, NONE, ROW_OUTPUTS, SUM, flce_head, pairwise_sum
+from .head import MEAN, NONE, SUM, flce_head, pairwise_sum
 from .row_stats import row_stats
 
 F32 = jnp.float32
-_MODES = {"mean": MEAN, "sum": SUM, "none": NONE}
+MODES = {"mean": MEAN, "sum": SUM, "none": NONE}
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,105 @@ class Options:
     chunk_rows: int | None = None
 
 
+def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunk=None,
+          trace=None):
+    """One pass over all rows of x [N, H] with w [V, H]. `row_inputs`: per-row arrays (at least "y"), cut into
+    chunks of `chunk` rows (default `chunk_rows(N, V, opt.chunk_rows)`) and handed to
+    `head(stats, inputs) -> dict` with the chunk's statistics (m, s, zy, q, amax). The head's outputs (which
+    must include lse, a, b, c when gradients are asked) are concatenated over chunks.
+
+    Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute; dw is float32 when
+    accumulated over several chunks, in the input dtype for a single 16-bit chunk.
+    """
+    n_rows, vocab = x.shape[0], w.shape[0]
+    nc = chunk or chunk_rows(n_rows, vocab, opt.chunk_rows)
+    n_full, tail = divmod(n_rows, nc)
+    need_dx, need_dw, need_db = grads
+
+    def step(carry, xs, first=False, last=False):
+        dw, db = carry
+        x_c, inputs = xs
+        z = gemm.mm(x_c, w, F32, b_t=True)
+        m, zy, amax, s_part, q_part = row_stats(z, bias, inputs["y"], class_weights, softcap=opt.softcap,
+                                                smoothing=opt.label_smoothing > 0)
+        stats = dict(m=m, s=pairwise_sum(s_part), zy=zy, q=None if q_part is None else pairwise_sum(q_part),
+                     amax=amax)
+        out = head(stats, inputs)
+        if trace is not None and first:
+            trace["logits"] = z
+        if not any(grads):
+            return carry, (out, None)
+        dz = dlogits(z, bias, inputs["y"], class_weights, out["lse"], out["a"], out["b"], out["c"],
+                     softcap=opt.softcap, dtype=x.dtype)
+        if trace is not None and first:
+            trace["dlogits"] = dz
+        dx_c = gemm.mm(dz, w, x.dtype) if need_dx else None
+        if need_dw:  # one chunk: the GEMM writes the dtype; several: a float32 accumulator
+            dw = (gemm.mm(dz, x_c, w.dtype if last else F32, a_t=True) if first
+                  else gemm.addmm(dw, dz, x_c, a_t=True))
+        if need_db:
+            db = accumulate_bias_grad(dz, db)
+        return (dw, db), (out, dx_c)
+
+    def rows(r0, r1):
+        return x[r0:r1], {k: v[r0:r1] for k, v in row_inputs.items()}
+
+    carry = (None, jnp.zeros((vocab,), F32) if need_db else None)
+    carry, first = step(carry, rows(0, nc), first=True, last=n_rows <= nc)
+    pieces = [first]
+    if n_full > 1:
+        def stack(a):
+            return a[nc:n_full * nc].reshape(n_full - 1, nc, *a.shape[1:])
+        carry, (out_mid, dx_mid) = lax.scan(step, carry, (stack(x), jax.tree.map(stack, row_inputs)))
+        flat = functools.partial(jax.tree.map, lambda a: a.reshape(-1, *a.shape[2:]))
+        pieces.append((flat(out_mid), None if dx_mid is None else flat(dx_mid)))
+    if tail:
+        carry, last = step(carry, rows(n_full * nc, n_rows))
+        pieces.append(last)
+    outputs = {k: jnp.concatenate([p[0][k] for p in pieces]) for k in first[0]}
+    dx = jnp.concatenate([p[1] for p in pieces]) if need_dx else None
+    return outputs, dx, carry[0], carry[1]
+
+
+def as_grad(grad, dtype, g=None):
+    """dtype(dtype(grad) * g) with the product in float32 (exact when g == 1); fce_torch rounds the same way."""
+    if grad is None:
+        return None
+    if g is None:
+        return grad.astype(dtype)
+    return (grad.astype(dtype).astype(F32) * g).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def precomputed_grad(x, w, bias, run):
+    """(loss, *extras) for a scalar loss whose gradients `run` computes in the forward pass.
+
+    `run(x, w, bias, grads) -> (loss, extras, dx, dw, db)`; called without differentiation it is asked for no
+    gradients (the loss-only path). The extras carry no gradient.
+    """
+    loss, extras, *_ = run(x, w, bias, (False, False, False))
+    return (loss, *extras)
+
+
+def _precomputed_fwd(x, w, bias, run):
+    loss, extras, dx, dw, db = run(x, w, bias, (True, True, bias is not None))
+    # Zero-size arrays carry the parameters' dtypes (residuals must be arrays).
+    tags = (jnp.zeros((0,), w.dtype), None if bias is None else jnp.zeros((0,), bias.dtype))
+    return (loss, *extras), (dx, dw, db, tags)
+
+
+def _precomputed_bwd(run, res, cotangents):
+    dx, dw, db, (w_tag, b_tag) = res
+    g = cotangents[0].astype(F32)
+    return (as_grad(dx, dx.dtype, g), as_grad(dw, w_tag.dtype, g),
+            None if db is None else as_grad(db, b_tag.dtype, g))
+
+
+precomputed_grad.defvjp(_precomputed_fwd, _precomputed_bwd)
+
+
+# ---- the FLCE head -------------------------------------------------------------------------------------------
+
 def reduction_scalars(y, class_weights, ignore_index, vocab):
     """(float32 [D, n, W_sum], w_y [N] or None): class-weighted and plain counts of valid rows, the sum of
     class weights, and each row's target class weight."""
@@ -44,74 +144,25 @@ def reduction_scalars(y, class_weights, ignore_index, vocab):
     return jnp.stack([pairwise_sum(w_y), n, pairwise_sum(class_weights)]), w_y
 
 
-def _chunk(x_c, y_c, wy_c, g_c, w, bias, cw, scalars, opt, grads, dw_dtype, trace=None):
-    """One chunk: (rows dict, dX_c, dZ) — dZ is None when no gradient is asked for."""
+def _flce_head(stats, inputs, *, scalars, opt, vocab):
+    return flce_head(stats["m"], stats["s"], stats["zy"], stats["q"], stats["amax"], inputs["y"],
+                     inputs.get("w_y"), inputs.get("g"), scalars, mode=MODES[opt.reduction],
+                     ignore_index=opt.ignore_index, label_smoothing=opt.label_smoothing, z_loss=opt.z_loss,
+                     vocab=vocab)
+
+
+def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False), row_cotangent=None,
+               trace=None):
+    """The FLCE sweep: outputs are float32 [N] rows lse, loss, zrow, correct, a, b, c."""
     vocab = w.shape[0]
-    z = gemm.mm(x_c, w, F32, b_t=True)
-    m, zy, amax, s_part, q_part = row_stats(z, bias, y_c, cw, softcap=opt.softcap,
-                                            smoothing=opt.label_smoothing > 0)
-    rows = flce_head(m, pairwise_sum(s_part), zy, None if q_part is None else pairwise_sum(q_part), amax, y_c,
-                     wy_c, g_c, scalars, mode=_MODES[opt.reduction], ignore_index=opt.ignore_index,
-                     label_smoothing=opt.label_smoothing, z_loss=opt.z_loss, vocab=vocab)
-    if trace is not None:
-        trace["logits"] = z
-    if not any(grads):
-        return rows, None, None
-    dz = dlogits(z, bias, y_c, cw, rows["lse"], rows["a"], rows["b"], rows["c"], softcap=opt.softcap,
-                 dtype=x_c.dtype)
-    if trace is not None:
-        trace["dlogits"] = dz
-    dx_c = gemm.mm(dz, w, x_c.dtype) if grads[0] else None
-    return rows, dx_c, dz
-
-
-def sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False), row_cotangent=None, trace=None):
-    """One pass over all rows. x [N, H], w [V, H], y [N]. `grads` = which of (dx, dw, db) to compute.
-
-    Returns (rows, dx, dw, db): rows = dict of float32 [N] (ROW_OUTPUTS); dw is float32 when accumulated over
-    several chunks, in the input dtype for a single 16-bit chunk.
-    """
-    n_rows = x.shape[0]
-    vocab = w.shape[0]
-    need_dx, need_dw, need_db = grads
     scalars, w_y = reduction_scalars(y, class_weights, opt.ignore_index, vocab)
-    if n_rows == 0:
-        rows = {k: jnp.zeros((0,), F32) for k in ROW_OUTPUTS}
-        return (rows, jnp.zeros_like(x) if need_dx else None, jnp.zeros_like(w) if need_dw else None,
-                jnp.zeros((vocab,), F32) if need_db else None)
-    nc = chunk_rows(n_rows, vocab, opt.chunk_rows)
-    n_full, tail = divmod(n_rows, nc)
-    per_row = (x, y, w_y, row_cotangent)
-
-    def piece(arr, r0, r1):
-        return None if arr is None else arr[r0:r1]
-
-    def step(carry, xs, first=False, last=False):
-        dw, db = carry
-        x_c, y_c, wy_c, g_c = xs
-        rows, dx_c, dz = _chunk(x_c, y_c, wy_c, g_c, w, bias, class_weights, scalars, opt, grads, None,
-                                trace if first else None)
-        if need_dw:
-            dw_dtype = w.dtype if (first and last) else F32
-            dw = gemm.mm(dz, x_c, dw_dtype, a_t=True) if first else gemm.addmm(dw, dz, x_c, a_t=True)
-        if need_db:
-            db = accumulate_bias_grad(dz, db)
-        return (dw, db), (rows, dx_c)
-
-    carry = (None, jnp.zeros((vocab,), F32) if need_db else None)
-    carry, first_out = step(carry, [piece(a, 0, nc) for a in per_row], first=True, last=n_rows == nc)
-    outs = [first_out]
-    if n_full > 1:
-        mid = [None if a is None else a[nc:n_full * nc].reshape(n_full - 1, nc, *a.shape[1:]) for a in per_row]
-        carry, (rows_mid, dx_mid) = lax.scan(step, carry, mid)
-        outs.append(({k: v.reshape(-1) for k, v in rows_mid.items()},
-                     None if dx_mid is None else dx_mid.reshape(-1, x.shape[1])))
-    if tail:
-        carry, tail_out = step(carry, [piece(a, n_full * nc, n_rows) for a in per_row])
-        outs.append(tail_out)
-    rows = {k: jnp.concatenate([o[0][k] for o in outs]) for k in ROW_OUTPUTS}
-    dx = jnp.concatenate([o[1] for o in outs]) if need_dx else None
-    return rows, dx, carry[0], carry[1]
+    row_inputs = {"y": y}
+    if w_y is not None:
+        row_inputs["w_y"] = w_y
+    if row_cotangent is not None:
+        row_inputs["g"] = row_cotangent
+    head = functools.partial(_flce_head, scalars=scalars, opt=opt, vocab=vocab)
+    return sweep(x, w, bias, class_weights, opt, head, row_inputs, grads=grads, trace=trace)
 
 
 def totals(rows, reduction):
@@ -121,51 +172,32 @@ def totals(rows, reduction):
     return pairwise_sum(rows["loss"]), pairwise_sum(rows["zrow"])
 
 
-def _as_grad(grad, dtype, g=None):
-    """dtype(dtype(grad) * g) with the product in float32 (exact when g == 1); fce_torch rounds the same way."""
-    if grad is None:
-        return None
-    if g is None:
-        return grad.astype(dtype)
-    return (grad.astype(dtype).astype(F32) * g).astype(dtype)
-
-
-def _outputs(rows, opt):
+def flce_run(x, w, bias, grads, *, y, class_weights, opt):
+    """`precomputed_grad`'s run for "mean"/"sum": (loss, (z_loss stat, lse, correct), dx, dw, db)."""
+    rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=grads)
     loss, zstat = totals(rows, opt.reduction)
-    return loss, zstat, rows["lse"], rows["correct"]
+    return loss, (zstat, rows["lse"], rows["correct"]), dx, dw, db
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def fused_lce_rows(x, w, bias, y, class_weights, opt):
-    """(loss, z_loss stat, lse [N], correct [N]) from x [N, H], w [V, H]; differentiable in x, w, bias."""
-    rows, *_ = sweep(x, w, y, bias, class_weights, opt)
-    return _outputs(rows, opt)
+def fused_lce_none(x, w, bias, y, class_weights, opt):
+    """reduction="none": (loss rows, z rows, lse, correct); the backward recomputes with the cotangent."""
+    rows, *_ = flce_sweep(x, w, y, bias, class_weights, opt)
+    return rows["loss"], rows["zrow"], rows["lse"], rows["correct"]
 
 
-def _fwd(x, w, bias, y, class_weights, opt):
-    if opt.reduction == "none":
-        rows, *_ = sweep(x, w, y, bias, class_weights, opt)
-        return _outputs(rows, opt), (x, w, bias, y, class_weights)
-    rows, dx, dw, db = sweep(x, w, y, bias, class_weights, opt, grads=(True, True, bias is not None))
-    # Zero-size arrays carry the parameters' dtypes (residuals must be arrays).
-    dtypes = (jnp.zeros((0,), w.dtype), None if bias is None else jnp.zeros((0,), bias.dtype))
-    return _outputs(rows, opt), (dx, dw, db, dtypes)
+def _none_fwd(x, w, bias, y, class_weights, opt):
+    return fused_lce_none(x, w, bias, y, class_weights, opt), (x, w, bias, y, class_weights)
 
 
-def _bwd(opt, res, cotangents):
-    g = cotangents[0]
-    if opt.reduction == "none":
-        x, w, bias, y, class_weights = res
-        _, dx, dw, db = sweep(x, w, y, bias, class_weights, opt, grads=(True, True, bias is not None),
-                              row_cotangent=g.astype(F32))
-        return dx, _as_grad(dw, w.dtype), _as_grad(db, None if bias is None else bias.dtype), None, None
-    dx, dw, db, (w_tag, b_tag) = res
-    g = g.astype(F32)
-    return (_as_grad(dx, dx.dtype, g), _as_grad(dw, w_tag.dtype, g),
-            None if db is None else _as_grad(db, b_tag.dtype, g), None, None)
+def _none_bwd(opt, res, cotangents):
+    x, w, bias, y, class_weights = res
+    _, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=(True, True, bias is not None),
+                               row_cotangent=cotangents[0].astype(F32))
+    return dx, as_grad(dw, w.dtype), None if db is None else as_grad(db, bias.dtype), None, None
 
 
-fused_lce_rows.defvjp(_fwd, _bwd)
+fused_lce_none.defvjp(_none_fwd, _none_bwd)
 
 
 def debug_intermediates(x, w, y, bias=None, class_weights=None, **options):
@@ -173,9 +205,9 @@ def debug_intermediates(x, w, y, bias=None, class_weights=None, **options):
     the first chunk, lse of all rows, and the final dx, dw (db). Runs eagerly (not under jit)."""
     opt = Options(**options)
     trace = {}
-    rows, dx, dw, db = sweep(x, w, y, bias, class_weights, opt, grads=(True, True, bias is not None),
-                             trace=trace)
-    trace.update(lse=rows["lse"], dx=dx, dw=_as_grad(dw, w.dtype))
+    rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=(True, True, bias is not None),
+                                  trace=trace)
+    trace.update(lse=rows["lse"], dx=dx, dw=as_grad(dw, w.dtype))
     if bias is not None:
-        trace["db"] = _as_grad(db, bias.dtype)
+        trace["db"] = as_grad(db, bias.dtype)
     return trace

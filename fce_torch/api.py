@@ -1,7 +1,9 @@
 """Public signature and input validation of `fused_lce` (SPEC §1). Twin: fce_jax/api.py."""
+import functools
+
 import torch
 
-from .engine import FusedLCEFunction, Options, sweep, totals
+from .engine import FusedLCENone, Options, PrecomputedGrad, flce_run, flce_sweep, totals
 from .head import pairwise_sum
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -124,10 +126,13 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
     differentiable = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x2, w, b))
     with torch.autocast(x.device.type, enabled=False):
-        if differentiable:
-            loss, zstat, lse, correct = FusedLCEFunction.apply(x2, w, b, y, cw, opt)
+        if differentiable and reduction == "none":
+            loss, zstat, lse, correct = FusedLCENone.apply(x2, w, b, y, cw, opt)
+        elif differentiable:
+            run = functools.partial(flce_run, y=y, class_weights=cw, opt=opt)
+            loss, zstat, lse, correct = PrecomputedGrad.apply(x2, w, b, run)
         else:
-            rows, *_ = sweep(x2, w, y, b, cw, opt)
+            rows, *_ = flce_sweep(x2, w, y, b, cw, opt)
             (loss, zstat), lse, correct = totals(rows, reduction), rows["lse"], rows["correct"]
     if reduction == "none":
         loss, zstat = loss.view(lead_shape), zstat.view(lead_shape)

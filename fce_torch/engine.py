@@ -1,9 +1,12 @@
-"""The chunked engine (C3): logits GEMM -> row statistics -> head -> dlogits -> dX and dW GEMMs, per chunk.
+"""The chunked engine (C3): logits GEMM -> row statistics -> loss head -> dlogits -> dX and dW GEMMs.
 
-`sweep` runs it over all rows; `FusedLCEFunction` pairs it with autograd. For "mean"/"sum" the gradients are
-computed in the forward pass and the backward only scales them; for "none" the backward sweeps again with the
-per-row cotangent folded into the head (four GEMMs). Twin: fce_jax/engine.py.
+`sweep` runs it over all rows, chunk by chunk, for any loss head (FLCE here, CPO in cpo.py): the head turns one
+chunk's row statistics into its outputs and the per-row gradient coefficients a, b, c. `PrecomputedGrad`
+pairs a sweep that computed the gradients in the forward pass with autograd (the backward only scales);
+`FusedLCENone` serves reduction="none", whose backward sweeps again with the per-row cotangent (four GEMMs).
+Twin: fce_jax/engine.py.
 """
+import functools
 import os
 from dataclasses import dataclass
 
@@ -18,8 +21,7 @@ from .row_stats import row_stats
 F32 = torch.float32
 # Inline PTX on the GPU; plain operations in the Triton interpreter (which cannot run assembly).
 ASM = os.environ.get("TRITON_INTERPRET", "0") != "1"
-_MODES = {"mean": MEAN, "sum": SUM, "none": NONE}
-ROW_OUTPUTS = ("lse", "loss", "zrow", "correct", "a", "b", "c")
+MODES = {"mean": MEAN, "sum": SUM, "none": NONE}
 
 
 @dataclass(frozen=True)
@@ -32,16 +34,6 @@ class Options:
     chunk_rows: int | None = None
 
 
-def reduction_scalars(y, class_weights, ignore_index, vocab):
-    """float32 [D, n, W_sum]: the class-weighted and plain counts of valid rows, and the sum of class weights."""
-    valid = y != ignore_index
-    n = valid.sum().to(F32)
-    if class_weights is None:
-        return torch.stack([n, n, torch.full_like(n, float(vocab))])
-    w_y = torch.where(valid, class_weights[torch.where(valid, y, 0)], 0.0)
-    return torch.stack([pairwise_sum(w_y), n, pairwise_sum(class_weights)])
-
-
 def _dz_buffer(z, dtype):
     """dZ in the logits' own memory: a 16-bit row takes the first half of its float32 row."""
     if dtype == F32:
@@ -49,40 +41,40 @@ def _dz_buffer(z, dtype):
     return z.view(dtype)[:, : z.shape[1]]
 
 
-def sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False), row_cotangent=None, trace=None):
-    """One pass over all rows. x [N, H], w [V, H], y [N]. `grads` = which of (dx, dw, db) to compute.
+def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunk=None,
+          trace=None):
+    """One pass over all rows of x [N, H] with w [V, H]. `row_inputs`: per-row arrays (at least "y"), cut into
+    chunks of `chunk` rows (default `chunk_rows(N, V, opt.chunk_rows)`) and handed to
+    `head(stats, inputs) -> dict` with the chunk's statistics (m, s, zy, q, amax). The head's outputs (which
+    must include lse, a, b, c when gradients are asked) are concatenated over chunks.
 
-    Returns (rows, dx, dw, db): rows = dict of float32 [N] (ROW_OUTPUTS); dw is float32 when accumulated over
-    several chunks, in the input dtype for a single 16-bit chunk.
+    Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute; dw is float32 when
+    accumulated over several chunks, in the input dtype for a single 16-bit chunk.
     """
-    n_rows, _ = x.shape
-    vocab = w.shape[0]
-    dev = x.device
-    nc = chunk_rows(n_rows, vocab, opt.chunk_rows)
-    scalars = reduction_scalars(y, class_weights, opt.ignore_index, vocab)
-    rows = {k: torch.empty(n_rows, device=dev, dtype=F32) for k in ROW_OUTPUTS}
+    n_rows, vocab = x.shape[0], w.shape[0]
+    nc = chunk or chunk_rows(n_rows, vocab, opt.chunk_rows)
     need_dx, need_dw, need_db = grads
     dx = torch.empty_like(x) if need_dx else None
     dw = None
-    db = torch.zeros(vocab, device=dev, dtype=F32) if need_db else None
-    mode = _MODES[opt.reduction]
-    for r0 in range(0, n_rows, nc):
+    db = torch.zeros(vocab, device=x.device, dtype=F32) if need_db else None
+    outs = []
+    for r0 in range(0, max(n_rows, 1), nc):
         r1 = min(n_rows, r0 + nc)
-        x_c, y_c = x[r0:r1], y[r0:r1]
+        x_c = x[r0:r1]
+        inputs = {k: v[r0:r1] for k, v in row_inputs.items()}
         z = gemm.mm(x_c, w.t(), F32)
-        m, zy, amax, s_part, q_part = row_stats(z, bias, y_c, class_weights, ignore_index=opt.ignore_index,
-                                                softcap=opt.softcap, smoothing=opt.label_smoothing > 0, asm=ASM)
-        out = {k: v[r0:r1] for k, v in rows.items()}
-        flce_head(m, pairwise_sum(s_part), zy, None if q_part is None else pairwise_sum(q_part), amax, y_c,
-                  class_weights, None if row_cotangent is None else row_cotangent[r0:r1], scalars, out,
-                  mode=mode, ignore_index=opt.ignore_index, label_smoothing=opt.label_smoothing,
-                  z_loss=opt.z_loss, vocab=vocab, asm=ASM)
+        m, zy, amax, s_part, q_part = row_stats(z, bias, inputs["y"], class_weights, softcap=opt.softcap,
+                                                smoothing=opt.label_smoothing > 0, asm=ASM)
+        stats = dict(m=m, s=pairwise_sum(s_part), zy=zy, q=None if q_part is None else pairwise_sum(q_part),
+                     amax=amax)
+        out = head(stats, inputs)
+        outs.append(out)
         if trace is not None and r0 == 0:
             trace["logits"] = z.clone()
         if not any(grads):
             continue
         dz = _dz_buffer(z, x.dtype)
-        dlogits(z, dz, bias, y_c, class_weights, out["lse"], out["a"], out["b"], out["c"],
+        dlogits(z, dz, bias, inputs["y"], class_weights, out["lse"], out["a"], out["b"], out["c"],
                 softcap=opt.softcap, asm=ASM)
         if trace is not None and r0 == 0:
             trace["dlogits"] = dz.clone()
@@ -95,19 +87,11 @@ def sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False), row
                 gemm.addmm_(dw, dz.t(), x_c)
         if need_db:
             accumulate_bias_grad(dz, db)
-    if need_dw and dw is None:
-        dw = torch.zeros_like(w)
-    return rows, dx, dw, db
+    outputs = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+    return outputs, dx, dw, db
 
 
-def totals(rows, reduction):
-    """(loss, z_loss stat) from the per-row values: fixed-order sums for "mean"/"sum", the rows for "none"."""
-    if reduction == "none":
-        return rows["loss"], rows["zrow"]
-    return pairwise_sum(rows["loss"]), pairwise_sum(rows["zrow"])
-
-
-def _as_grad(grad, dtype, g=None):
+def as_grad(grad, dtype, g=None):
     """A new tensor dtype(dtype(grad) * g) (the product in float32); exact when g == 1. `grad` is untouched,
     so a second backward (retain_graph=True) starts from the same saved values."""
     if grad is None:
@@ -117,39 +101,95 @@ def _as_grad(grad, dtype, g=None):
     return grad.to(dtype, copy=True).mul_(g)
 
 
-class FusedLCEFunction(torch.autograd.Function):
-    """loss (and the lse row statistic) from (x [N, H], w [V, H], bias, y, class_weights)."""
+class PrecomputedGrad(torch.autograd.Function):
+    """Autograd for a scalar loss whose gradients `run` computes in the forward pass.
+
+    `run(x, w, bias, grads) -> (loss, extras, dx, dw, db)`; forward returns (loss, *extras) (extras carry no
+    gradient); backward returns grad_output times the saved gradients.
+    """
 
     @staticmethod
-    def forward(ctx, x, w, bias, y, class_weights, opt):
+    def forward(ctx, x, w, bias, run):
         grads = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        ctx.opt, ctx.grads = opt, grads
-        if opt.reduction == "none":
-            rows, *_ = sweep(x, w, y, bias, class_weights, opt)
-            ctx.save_for_backward(x, w, bias, y, class_weights)
-        else:
-            rows, dx, dw, db = sweep(x, w, y, bias, class_weights, opt, grads=grads)
-            ctx.save_for_backward(dx, dw, db)
-            ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
-        loss, zstat = totals(rows, opt.reduction)
-        ctx.mark_non_differentiable(zstat, rows["lse"], rows["correct"])
-        return loss, zstat, rows["lse"], rows["correct"]
+        loss, extras, dx, dw, db = run(x, w, bias, grads)
+        ctx.save_for_backward(dx, dw, db)
+        ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(*extras)
+        return (loss, *extras)
 
     @staticmethod
     def backward(ctx, g_loss, *unused):
-        opt = ctx.opt
-        if opt.reduction == "none":
-            x, w, bias, y, class_weights = ctx.saved_tensors
-            _, dx, dw, db = sweep(x, w, y, bias, class_weights, opt, grads=ctx.grads,
-                                  row_cotangent=g_loss.to(F32).contiguous())
-            dw = _as_grad(dw, w.dtype)
-            db = None if db is None else _as_grad(db, bias.dtype)
-        else:
-            dx, dw, db = ctx.saved_tensors
-            x_dtype, w_dtype, b_dtype = ctx.dtypes
-            g = g_loss.to(F32)
-            dx, dw, db = _as_grad(dx, x_dtype, g), _as_grad(dw, w_dtype, g), _as_grad(db, b_dtype, g)
-        return dx, dw, db, None, None, None
+        g = g_loss.to(F32)
+        return (*(as_grad(t, dtype, g) for t, dtype in zip(ctx.saved_tensors, ctx.dtypes)), None)
+
+
+# ---- the FLCE head -------------------------------------------------------------------------------------------
+
+def reduction_scalars(y, class_weights, ignore_index, vocab):
+    """(float32 [D, n, W_sum], w_y [N] or None): class-weighted and plain counts of valid rows, the sum of
+    class weights, and each row's target class weight."""
+    valid = y != ignore_index
+    n = valid.sum().to(F32)
+    if class_weights is None:
+        return torch.stack([n, n, torch.full_like(n, float(vocab))]), None
+    w_y = torch.where(valid, class_weights[torch.where((y >= 0) & (y < vocab), y, 0)], 0.0)
+    return torch.stack([pairwise_sum(w_y), n, pairwise_sum(class_weights)]), w_y
+
+
+def _flce_head(stats, inputs, *, scalars, opt, vocab):
+    return flce_head(stats["m"], stats["s"], stats["zy"], stats["q"], stats["amax"], inputs["y"],
+                     inputs.get("w_y"), inputs.get("g"), scalars, mode=MODES[opt.reduction],
+                     ignore_index=opt.ignore_index, label_smoothing=opt.label_smoothing, z_loss=opt.z_loss,
+                     vocab=vocab, asm=ASM)
+
+
+def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False), row_cotangent=None,
+               trace=None):
+    """The FLCE sweep: outputs are float32 [N] rows lse, loss, zrow, correct, a, b, c."""
+    vocab = w.shape[0]
+    scalars, w_y = reduction_scalars(y, class_weights, opt.ignore_index, vocab)
+    row_inputs = {"y": y}
+    if w_y is not None:
+        row_inputs["w_y"] = w_y
+    if row_cotangent is not None:
+        row_inputs["g"] = row_cotangent
+    head = functools.partial(_flce_head, scalars=scalars, opt=opt, vocab=vocab)
+    return sweep(x, w, bias, class_weights, opt, head, row_inputs, grads=grads, trace=trace)
+
+
+def totals(rows, reduction):
+    """(loss, z_loss stat) from the per-row values: fixed-order sums for "mean"/"sum", the rows for "none"."""
+    if reduction == "none":
+        return rows["loss"], rows["zrow"]
+    return pairwise_sum(rows["loss"]), pairwise_sum(rows["zrow"])
+
+
+def flce_run(x, w, bias, grads, *, y, class_weights, opt):
+    """`PrecomputedGrad`'s run for "mean"/"sum": (loss, (z_loss stat, lse, correct), dx, dw, db)."""
+    rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=grads)
+    loss, zstat = totals(rows, opt.reduction)
+    return loss, (zstat, rows["lse"], rows["correct"]), dx, dw, db
+
+
+class FusedLCENone(torch.autograd.Function):
+    """reduction="none": the forward computes the rows' losses; the backward recomputes with the cotangent."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, y, class_weights, opt):
+        rows, *_ = flce_sweep(x, w, y, bias, class_weights, opt)
+        ctx.save_for_backward(x, w, bias, y, class_weights)
+        ctx.opt = opt
+        ctx.grads = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                     bias is not None and ctx.needs_input_grad[2])
+        ctx.mark_non_differentiable(rows["zrow"], rows["lse"], rows["correct"])
+        return rows["loss"], rows["zrow"], rows["lse"], rows["correct"]
+
+    @staticmethod
+    def backward(ctx, g_loss, *unused):
+        x, w, bias, y, class_weights = ctx.saved_tensors
+        _, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, ctx.opt, grads=ctx.grads,
+                                   row_cotangent=g_loss.to(F32).contiguous())
+        return dx, as_grad(dw, w.dtype), None if db is None else as_grad(db, bias.dtype), None, None, None
 
 
 def debug_intermediates(x, w, y, bias=None, class_weights=None, **options):
@@ -157,8 +197,9 @@ def debug_intermediates(x, w, y, bias=None, class_weights=None, **options):
     the first chunk, lse of all rows, and the final dx, dw (db)."""
     opt = Options(**options)
     trace = {}
-    rows, dx, dw, db = sweep(x, w, y, bias, class_weights, opt, grads=(True, True, bias is not None), trace=trace)
-    trace.update(lse=rows["lse"], dx=dx, dw=_as_grad(dw, w.dtype))
+    rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=(True, True, bias is not None),
+                                  trace=trace)
+    trace.update(lse=rows["lse"], dx=dx, dw=as_grad(dw, w.dtype))
     if bias is not None:
-        trace["db"] = _as_grad(db, bias.dtype)
+        trace["db"] = as_grad(db, bias.dtype)
     return trace

@@ -19,6 +19,7 @@ from .fastmath import LN2
 
 BLOCK = 1024
 MEAN, SUM, NONE = 0, 1, 2
+ROW_OUTPUTS = ("lse", "loss", "zrow", "correct", "a", "b", "c")
 
 
 def pairwise_sum(x):
@@ -35,7 +36,7 @@ def pairwise_sum(x):
 
 
 @triton.jit
-def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, cw_ptr, g_ptr, scal_ptr,
+def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_ptr, scal_ptr,
                       lse_ptr, loss_ptr, zrow_ptr, correct_ptr, a_ptr, b_ptr, c_ptr,
                       n_rows, V, ignore_index, one_minus_eps, eps_over_v, zcoef, two_zcoef,
                       MODE: tl.constexpr, HAS_Q: tl.constexpr, HAS_CW: tl.constexpr, HAS_G: tl.constexpr,
@@ -50,7 +51,7 @@ def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, cw_ptr, g_pt
     zy = tl.load(zy_ptr + rows, mask=ok, other=0.0)
     w_sum = tl.load(scal_ptr + 2)
     if HAS_CW:
-        w_y = tl.load(cw_ptr + tl.where(in_range, y, 0), mask=valid, other=0.0)
+        w_y = tl.load(wy_ptr + rows, mask=valid, other=0.0)
     else:
         w_y = tl.where(valid, 1.0, 0.0)
 
@@ -103,18 +104,19 @@ def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, cw_ptr, g_pt
     tl.store(c_ptr + rows, tl.where(valid, c, 0.0), mask=ok)
 
 
-def flce_head(m, s, zy, q, amax, y, class_weights, g, scalars, out, *, mode, ignore_index, label_smoothing,
-              z_loss, vocab, asm):
-    """Run the head on one chunk's rows. `scalars` = float32 [D, n, W_sum]; `out` holds the chunk's slices of
-    lse, loss, zrow, correct, a, b, c (float32 [rows] each), written in place."""
+def flce_head(m, s, zy, q, amax, y, w_y, g, scalars, *, mode, ignore_index, label_smoothing, z_loss, vocab,
+              asm):
+    """Run the head on one chunk's rows. `scalars` = float32 [D, n, W_sum]; `w_y` the targets' class weights
+    (or None). Returns a dict of float32 [rows] tensors named ROW_OUTPUTS."""
     n = m.shape[0]
+    out = {k: torch.empty(n, device=m.device, dtype=torch.float32) for k in ROW_OUTPUTS}
     if n == 0:
-        return
+        return out
     eps = float(label_smoothing)
     _flce_head_kernel[(triton.cdiv(n, BLOCK),)](
-        m, s, zy, q if q is not None else s, amax, y, class_weights if class_weights is not None else m,
-        g if g is not None else m, scalars,
-        out["lse"], out["loss"], out["zrow"], out["correct"], out["a"], out["b"], out["c"],
+        m, s, zy, q if q is not None else s, amax, y, w_y if w_y is not None else m, g if g is not None else m,
+        scalars, *(out[k] for k in ROW_OUTPUTS),
         n, vocab, ignore_index, 1.0 - eps, eps / vocab, float(z_loss), 2.0 * float(z_loss),
-        MODE=mode, HAS_Q=q is not None, HAS_CW=class_weights is not None, HAS_G=g is not None,
+        MODE=mode, HAS_Q=q is not None, HAS_CW=w_y is not None, HAS_G=g is not None,
         BLOCK=BLOCK, ASM=asm, num_warps=4)
+    return out

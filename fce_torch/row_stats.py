@@ -86,7 +86,7 @@ def _row_stats_kernel(z_ptr, stride_z, bias_ptr, ry_ptr, by_ptr, cw_ptr,
         tl.store(q_ptr + part, q, mask=row_ok[:, None])
 
 
-def row_stats(z, bias, y, class_weights, *, ignore_index, softcap, smoothing, asm):
+def row_stats(z, bias, y, class_weights, *, softcap, smoothing, asm):
     """Per-row statistics of the float32 logits `z` [n, V] (row stride may exceed V); y [n] targets.
 
     Returns (m [n], z_y [n], argmax [n] int32, S partials [n, BV], Q partials [n, BV] or None).
