@@ -154,11 +154,11 @@ def _cpo_head(stats, inputs, *, cfg, scalars, vocab):
             "logp_c": logp[0], "logp_r": logp[1], "reward_c": reward[0], "reward_r": reward[1]}
 
 
-def _cpo_run(x, w, bias, grads, *, y, cfg, chunk):
-    """`precomputed_grad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db)."""
+def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk):
+    """`precomputed_grad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). The rows are in
+    chunk order; `n_chosen` counts the valid chosen tokens."""
     vocab = w.shape[0]
     n_pairs_total = y.shape[0] // (2 * cfg["seq_len"])
-    n_chosen = jnp.sum((y[: n_pairs_total * cfg["seq_len"]] != cfg["ignore_index"]).astype(jnp.int32)).astype(F32)
     # [B, n_chosen, W_sum]: the first two feed the pair kernel, W_sum the FLCE head (no class weights).
     scalars = jnp.stack([jnp.asarray(n_pairs_total, F32), n_chosen, jnp.asarray(vocab, F32)])
     head = functools.partial(_cpo_head, cfg=cfg, scalars=scalars, vocab=vocab)
@@ -233,13 +233,14 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
     cfg = dict(ignore_index=int(ignore_index), beta=float(beta), alpha=float(alpha),
                label_smoothing=float(label_smoothing), loss_type=loss_type, simpo_gamma=float(simpo_gamma),
                average_log_prob=bool(average_log_prob), seq_len=seq_len)
+    n_chosen = jnp.sum((targets[:n_pairs] != ignore_index).astype(jnp.int32)).astype(F32)
     per_chunk, order = pair_chunks(n_pairs, seq_len, vocab, chunk_rows)
     if order is not None:
         index = jnp.asarray(order)
         x, targets = x[index], targets[index]
     x2 = jnp.reshape(x, (-1, hidden))
     y = jnp.reshape(targets, (-1,)).astype(jnp.int32)
-    run = functools.partial(_cpo_run, y=y, cfg=cfg, chunk=2 * per_chunk * seq_len)
+    run = functools.partial(_cpo_run, y=y, n_chosen=n_chosen, cfg=cfg, chunk=2 * per_chunk * seq_len)
     loss, logp_c, logp_r, reward_c, reward_r, nll = precomputed_grad(x2, weight, bias, run)
     if not return_stats:
         return loss

@@ -17,6 +17,7 @@ from jax import lax
 from . import gemm
 from .chunking import chunk_rows
 from .dlogits import accumulate_bias_grad, dlogits
+from .grad_scale import as_grad
 from .head import MEAN, NONE, SUM, flce_head, pairwise_sum
 from .row_stats import row_stats
 
@@ -92,15 +93,6 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
     outputs = {k: jnp.concatenate([p[0][k] for p in pieces]) for k in first[0]}
     dx = jnp.concatenate([p[1] for p in pieces]) if need_dx else None
     return outputs, dx, carry[0], carry[1]
-
-
-def as_grad(grad, dtype, g=None):
-    """dtype(dtype(grad) * g) with the product in float32 (exact when g == 1); fce_torch rounds the same way."""
-    if grad is None:
-        return None
-    if g is None:
-        return grad.astype(dtype)
-    return (grad.astype(dtype).astype(F32) * g).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

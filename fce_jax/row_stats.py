@@ -19,8 +19,8 @@ from . import fastmath as fm
 from .fastmath import LOG2E
 from .pallas_call import call, interpret_mode
 
-BLOCK_ROWS = 8
-BLOCK_V = 512
+BLOCK_ROWS = 2
+BLOCK_V = 1024
 F32 = jnp.float32
 
 

@@ -148,11 +148,11 @@ def _cpo_head(stats, inputs, *, cfg, scalars, vocab):
             "reward_c": reward[:n_pairs], "reward_r": reward[n_pairs:]}
 
 
-def _cpo_run(x, w, bias, grads, *, y, cfg, chunk):
-    """`PrecomputedGrad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db)."""
+def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk):
+    """`PrecomputedGrad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). The rows are in
+    chunk order; `n_chosen` counts the valid chosen tokens."""
     vocab = w.shape[0]
     n_pairs_total = y.shape[0] // (2 * cfg["seq_len"])
-    n_chosen = (y[: n_pairs_total * cfg["seq_len"]] != cfg["ignore_index"]).sum().to(torch.float32)
     # [B, n_chosen, W_sum]: the first two feed the pair kernel, W_sum the FLCE head (no class weights).
     scalars = torch.stack([torch.full_like(n_chosen, float(n_pairs_total)), n_chosen,
                            torch.full_like(n_chosen, float(vocab))])
@@ -233,13 +233,14 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
+    n_chosen = (targets[:n_pairs] != ignore_index).sum().to(torch.float32)
     per_chunk, order = pair_chunks(n_pairs, seq_len, vocab, chunk_rows)
     if order is not None:
         index = torch.tensor(order, device=x.device)
         x, targets = x[index], targets[index]
     x2 = x.reshape(-1, hidden).contiguous()
     y = targets.reshape(-1).to(torch.int64).contiguous()
-    run = functools.partial(_cpo_run, y=y, cfg=cfg, chunk=2 * per_chunk * seq_len)
+    run = functools.partial(_cpo_run, y=y, n_chosen=n_chosen, cfg=cfg, chunk=2 * per_chunk * seq_len)
     w = weight.contiguous()
     b = None if bias is None else bias.contiguous()
     with torch.autocast(x.device.type, enabled=False):

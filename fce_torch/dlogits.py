@@ -2,7 +2,8 @@
 
 The dZ kernel walks each block of rows left to right, so it may write its output into the logits' own
 memory (a 16-bit dZ row occupies the first half of its float32 row): every write lands on columns this
-program has already read. Twin: fce_jax/dlogits.py.
+program has already read, once a barrier has made sure that all of its warps have read the current block
+(`IN_PLACE`). Twin: fce_jax/dlogits.py.
 """
 import torch
 import triton
@@ -17,7 +18,7 @@ from .row_stats import BLOCK_ROWS, BLOCK_V, logit_transform
 def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr, lse_ptr, a_ptr, b_ptr, c_ptr,
                     n_rows, V, softcap,
                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-                    BR: tl.constexpr, BV: tl.constexpr, ASM: tl.constexpr):
+                    IN_PLACE: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, ASM: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
@@ -44,6 +45,8 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
             dz = dz + c[:, None]
         if HAS_SOFTCAP:
             dz = fm.mul(dz, fm.fma(-t, t, 1.0, ASM), ASM)
+        if IN_PLACE:
+            tl.debug_barrier()
         tl.store(dz_ptr + rows64[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
@@ -67,7 +70,8 @@ def dlogits(z, dz, bias, y, class_weights, lse, a, b, c, *, softcap, asm):
         class_weights if class_weights is not None else z, lse, a, b, c,
         n, V, float(softcap or 1.0),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_CW=class_weights is not None,
-        BR=BLOCK_ROWS, BV=BLOCK_V, ASM=asm, num_warps=4)
+        IN_PLACE=dz.data_ptr() == z.data_ptr() and dz.dtype != z.dtype, BR=BLOCK_ROWS, BV=BLOCK_V, ASM=asm,
+        num_warps=4)
 
 
 def accumulate_bias_grad(dz, db):

@@ -15,6 +15,7 @@ import torch
 from . import gemm
 from .chunking import chunk_rows
 from .dlogits import accumulate_bias_grad, dlogits
+from .grad_scale import as_grad
 from .head import MEAN, NONE, SUM, flce_head, pairwise_sum
 from .row_stats import row_stats
 
@@ -79,7 +80,7 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
         if trace is not None and r0 == 0:
             trace["dlogits"] = dz.clone()
         if need_dx:
-            dx[r0:r1] = gemm.mm(dz, w, x.dtype)
+            gemm.mm(dz, w, x.dtype, out=dx[r0:r1])
         if need_dw:
             if dw is None:  # one chunk: the GEMM writes the dtype; several: a float32 accumulator
                 dw = gemm.mm(dz.t(), x_c, w.dtype if r1 == n_rows else F32)
@@ -89,16 +90,6 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
             accumulate_bias_grad(dz, db)
     outputs = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
     return outputs, dx, dw, db
-
-
-def as_grad(grad, dtype, g=None):
-    """A new tensor dtype(dtype(grad) * g) (the product in float32); exact when g == 1. `grad` is untouched,
-    so a second backward (retain_graph=True) starts from the same saved values."""
-    if grad is None:
-        return None
-    if g is None:
-        return grad.to(dtype)
-    return grad.to(dtype, copy=True).mul_(g)
 
 
 class PrecomputedGrad(torch.autograd.Function):

@@ -15,14 +15,15 @@ def _check_no_tf32(t):
                            "torch.backends.cuda.matmul.allow_tf32 is True; set it to False or use bf16 inputs.")
 
 
-def mm(a, b, out_dtype):
-    """a @ b, accumulated in float32 and rounded once to out_dtype."""
+def mm(a, b, out_dtype, out=None):
+    """a @ b, accumulated in float32 and rounded once to out_dtype (written into `out` when given)."""
     if not a.is_cuda:
-        return torch.mm(a.to(F32), b.to(F32)).to(out_dtype)
+        c = torch.mm(a.to(F32), b.to(F32)).to(out_dtype)
+        return c if out is None else out.copy_(c)
     _check_no_tf32(a)
     if out_dtype == a.dtype:
-        return torch.mm(a, b)
-    return torch.mm(a, b, out_dtype=out_dtype)
+        return torch.mm(a, b, out=out)
+    return torch.mm(a, b, out_dtype=out_dtype, out=out)
 
 
 def addmm_(acc, a, b):

@@ -16,8 +16,8 @@ import triton.language as tl
 from . import fastmath as fm
 from .fastmath import LOG2E
 
-BLOCK_ROWS = 8
-BLOCK_V = 512
+BLOCK_ROWS = 2
+BLOCK_V = 1024
 
 
 @triton.jit

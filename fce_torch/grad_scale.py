@@ -1,0 +1,30 @@
+"""Gradients handed to autograd: dtype(float32(grad) * g), in one pass. Twin: fce_jax/grad_scale.py."""
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096
+
+
+@triton.jit
+def _scale_cast_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(g_ptr)
+    v = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + offs, (v * g).to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+def as_grad(grad, dtype, g=None):
+    """A new tensor dtype(float32(grad) * g) (exact when g == 1); `grad` is untouched, so a second backward
+    (retain_graph=True) starts from the same saved values. Without g: grad rounded to dtype."""
+    if grad is None:
+        return None
+    if g is None:
+        return grad.to(dtype)
+    out = torch.empty(grad.shape, device=grad.device, dtype=dtype)
+    n = grad.numel()
+    if n:
+        _scale_cast_kernel[(triton.cdiv(n, BLOCK),)](grad.contiguous(), out, g.to(torch.float32).reshape(1), n,
+                                                    BLOCK=BLOCK, num_warps=8)
+    return out
