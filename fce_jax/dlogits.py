@@ -69,6 +69,8 @@ def _bias_grad_kernel(dz_ref, db_in_ref, db_ref, *, n_rows, vocab):
 def dlogits(z, bias, y, class_weights, lse, a, b, c, *, softcap, dtype):
     """dZ [n, V] in `dtype` for the float32 logits `z` [n, V]."""
     n, vocab = z.shape
+    if n == 0:
+        return jnp.zeros((0, vocab), dtype)
     dummy = jnp.zeros((1,), F32)
     return call(_dlogits_kernel, out_shape=jax.ShapeDtypeStruct((n, vocab), dtype),
                 grid=(pl.cdiv(n, BLOCK_ROWS),), n_rows=n, vocab=vocab, softcap=softcap,
@@ -79,5 +81,7 @@ def dlogits(z, bias, y, class_weights, lse, a, b, c, *, softcap, dtype):
 def accumulate_bias_grad(dz, db):
     """db [V] float32 + column sums of dz [n, V], adding the rows in order (deterministic)."""
     n, vocab = dz.shape
+    if n == 0:
+        return db
     return call(_bias_grad_kernel, out_shape=jax.ShapeDtypeStruct((vocab,), F32),
                 grid=(pl.cdiv(vocab, BLOCK_V),), n_rows=n, vocab=vocab)(dz, db)

@@ -106,6 +106,8 @@ def flce_head(m, s, zy, q, amax, y, w_y, g, scalars, *, mode, ignore_index, labe
     """Run the head on one chunk's rows. `scalars` = float32 [D, n, W_sum]; `w_y` the targets' class weights
     (or None). Returns a dict of float32 [rows] arrays named ROW_OUTPUTS."""
     n = m.shape[0]
+    if n == 0:
+        return {k: jnp.zeros((0,), F32) for k in ROW_OUTPUTS}
     eps = float(label_smoothing)
     row = jax.ShapeDtypeStruct((n,), F32)
     outs = call(_flce_head_kernel, out_shape=[row] * len(ROW_OUTPUTS), grid=(pl.cdiv(n, BLOCK),),

@@ -98,6 +98,9 @@ def row_stats(z, bias, y, class_weights, *, softcap, smoothing):
                  jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n, BLOCK_V), F32)]
     if smoothing:
         out_shape.append(jax.ShapeDtypeStruct((n, BLOCK_V), F32))
+    if n == 0:
+        outs = [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+        return (*outs[:4], outs[4] if smoothing else None)
     outs = call(_row_stats_kernel, out_shape=out_shape, grid=(pl.cdiv(n, BLOCK_ROWS),),
                 n_rows=n, vocab=vocab, softcap=softcap, has_bias=bias is not None,
                 has_cw=class_weights is not None, has_q=smoothing, asm=not interpret_mode())(

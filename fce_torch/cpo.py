@@ -18,8 +18,8 @@ import triton.language as tl
 from . import fastmath as fm
 from .api import check_tensors
 from .chunking import chunk_rows
-from .engine import ASM, NONE, Options, PrecomputedGrad, flce_head, pairwise_sum, sweep
-from .fastmath import LN2, LOG2E
+from .engine import NONE, Options, PrecomputedGrad, flce_head, pairwise_sum, sweep
+from .fastmath import ASM, LN2, LOG2E
 
 LOSS_TYPES = {"sigmoid": 0, "hinge": 1, "ipo": 2, "simpo": 3}
 BLOCK_PAIRS = 16

@@ -47,7 +47,8 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
             dz = fm.mul(dz, fm.fma(-t, t, 1.0, ASM), ASM)
         if IN_PLACE:
             tl.debug_barrier()
-        tl.store(dz_ptr + rows64[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        tl.store(dz_ptr + rows64[:, None] * stride_dz + cols[None, :], fm.to_dtype(dz, dz_ptr.dtype.element_ty, ASM),
+                 mask=mask)
 
 
 @triton.jit

@@ -7,7 +7,6 @@ pairs a sweep that computed the gradients in the forward pass with autograd (the
 Twin: fce_jax/engine.py.
 """
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -15,13 +14,12 @@ import torch
 from . import gemm
 from .chunking import chunk_rows
 from .dlogits import accumulate_bias_grad, dlogits
+from .fastmath import ASM
 from .grad_scale import as_grad
 from .head import MEAN, NONE, SUM, flce_head, pairwise_sum
 from .row_stats import row_stats
 
 F32 = torch.float32
-# Inline PTX on the GPU; plain operations in the Triton interpreter (which cannot run assembly).
-ASM = os.environ.get("TRITON_INTERPRET", "0") != "1"
 MODES = {"mean": MEAN, "sum": SUM, "none": NONE}
 
 
@@ -59,8 +57,10 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
     dw = None
     db = torch.zeros(vocab, device=x.device, dtype=F32) if need_db else None
     outs = []
+    z = dz = None
     for r0 in range(0, max(n_rows, 1), nc):
         r1 = min(n_rows, r0 + nc)
+        z = dz = None  # release the last chunk's logits before the next GEMM allocates its own
         x_c = x[r0:r1]
         inputs = {k: v[r0:r1] for k, v in row_inputs.items()}
         z = gemm.mm(x_c, w.t(), F32)

@@ -4,9 +4,13 @@ On the GPU each one is a single PTX instruction emitted as inline assembly, so n
 re-associate or substitute it; `fce_jax/fastmath.py` emits the same instructions. The Triton interpreter has
 no inline assembly: there (`ASM=False`) the same formulas run with plain operations.
 """
+import os
+
 import triton
 import triton.language as tl
 
+# Inline PTX on the GPU; plain operations in the Triton interpreter (which cannot run assembly).
+ASM = os.environ.get("TRITON_INTERPRET", "0") != "1"
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -84,3 +88,14 @@ def tanh(u, ASM: tl.constexpr):
     big = div(1.0 - e, 1.0 + e, ASM)
     big = tl.where(u < 0.0, -big, big)
     return tl.where(tl.abs(u) < 0.125, small, big)
+
+
+@triton.jit
+def to_dtype(x, dtype: tl.constexpr, ASM: tl.constexpr):
+    """float32 x rounded to nearest even in `dtype`. The Triton interpreter truncates float32 -> bfloat16,
+    so there the rounding is done on the bits."""
+    if not ASM and dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        x = ((u >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)

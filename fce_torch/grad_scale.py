@@ -3,16 +3,18 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fastmath as fm
+
 BLOCK = 4096
 
 
 @triton.jit
-def _scale_cast_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr):
+def _scale_cast_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     g = tl.load(g_ptr)
     v = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(dst_ptr + offs, (v * g).to(dst_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst_ptr + offs, fm.to_dtype(v * g, dst_ptr.dtype.element_ty, ASM), mask=ok)
 
 
 def as_grad(grad, dtype, g=None):
@@ -26,5 +28,5 @@ def as_grad(grad, dtype, g=None):
     n = grad.numel()
     if n:
         _scale_cast_kernel[(triton.cdiv(n, BLOCK),)](grad.contiguous(), out, g.to(torch.float32).reshape(1), n,
-                                                    BLOCK=BLOCK, num_warps=8)
+                                                    BLOCK=BLOCK, ASM=fm.ASM, num_warps=8)
     return out

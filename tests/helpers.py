@@ -89,3 +89,145 @@ def parametrize_cases(cases=None):
     """``@pytest.mark.parametrize("case", ...)`` over ``cases`` (default: ``small_cases()``), ids = names."""
     cases = small_cases() if cases is None else list(cases)
     return pytest.mark.parametrize("case", cases, ids=[c.name for c in cases])
+
+
+# ---------------------------------------------------------------------- twin runners (tests/test_fce_*.py)
+# Rows per chunk for each small case in the twin tests: several chunks for most cases (first chunk, full
+# chunks (JAX: a lax.scan) and a tail chunk), the default (one chunk at these sizes) for the others.
+CASE_CHUNK_ROWS = {
+    "f32_basic": 8, "f16_basic": None, "single_row": 16, "all_ignored": 4, "x3d_bf16": None,
+    "large_logits_f32": 16, "large_logits_bf16": 8, "bias_bf16": None, "label_smoothing": 16, "z_loss": 8,
+    "softcap": None, "class_weights": 16, "sum_bf16": 8, "none_3d": 4, "all_options_bf16": 4,
+    "all_options_none_f16": 4,
+}
+
+
+def case_chunk_rows(case: Case):
+    """chunk_rows used for ``case`` by the twin tests (CASE_CHUNK_ROWS; 8 for a case not listed there)."""
+    return CASE_CHUNK_ROWS.get(case.name, 8)
+
+
+def valid_rows(targets, ignore_index=-100) -> np.ndarray:
+    """Boolean numpy mask (shape of targets) of the rows whose target is not ignore_index."""
+    return np.asarray(as_float64(targets) != ignore_index)
+
+
+def restrict_lse(out: dict, ref: dict, targets, ignore_index=-100) -> tuple[dict, dict]:
+    """Copies of out/ref with ``lse`` restricted to the valid rows (the contract's lse of an ignored row is
+    not checked)."""
+    mask = valid_rows(targets, ignore_index)
+    out, ref = dict(out), dict(ref)
+    if "lse" in out and "lse" in ref:
+        out["lse"] = as_float64(out["lse"])[mask]
+        ref["lse"] = as_float64(ref["lse"])[mask]
+    return out, ref
+
+
+def torch_run(fused_lce, inp: dict, options: dict, *, chunk_rows=None, grad_output=None, **extra) -> dict:
+    """One forward+backward of ``fce_torch.fused_lce`` on copies of ``inp`` (make_inputs' tensors), with
+    return_stats. Returns {loss, lse, z_loss, accuracy, dx, dw, db} as detached torch tensors (own dtypes)."""
+    import torch
+
+    x = inp["x"].detach().clone().requires_grad_(True)
+    w = inp["weight"].detach().clone().requires_grad_(True)
+    b = None if inp["bias"] is None else inp["bias"].detach().clone().requires_grad_(True)
+    loss, stats = fused_lce(x, w, inp["targets"], bias=b, class_weights=inp["class_weights"], return_stats=True,
+                            chunk_rows=chunk_rows, **options, **extra)
+    g = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=torch.float32)
+    loss.backward(g.expand_as(loss) if loss.dim() else g.reshape(()))
+    return {"loss": loss.detach(), "lse": stats["lse"], "z_loss": stats["z_loss"], "accuracy": stats["accuracy"],
+            "dx": x.grad, "dw": w.grad, "db": None if b is None else b.grad}
+
+
+def to_jax(t):
+    """A JAX array with the same values and dtype as the torch tensor ``t`` (None stays None)."""
+    if t is None:
+        return None
+    import jax.numpy as jnp
+    import torch
+
+    names = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
+    if t.dtype in names:
+        return jnp.asarray(t.detach().to(torch.float32).cpu().numpy()).astype(names[t.dtype])
+    return jnp.asarray(t.detach().cpu().numpy())
+
+
+def jax_run(fused_lce, inp: dict, options: dict, *, chunk_rows=None, grad_output=None, jit=True, **extra) -> dict:
+    """One forward + VJP of ``fce_jax.fused_lce`` (under jax.jit by default; targets and class weights are
+    traced then) on ``inp`` (make_inputs' torch tensors, converted), with return_stats. Returns {loss, lse,
+    z_loss, accuracy, dx, dw, db} as JAX arrays (own dtypes)."""
+    import jax
+    import jax.numpy as jnp
+
+    x, w, b = to_jax(inp["x"]), to_jax(inp["weight"]), to_jax(inp["bias"])
+    t, cw = to_jax(inp["targets"]), to_jax(inp["class_weights"])
+
+    def f(x, w, b, t, cw, g):
+        def loss_fn(x, w, b):
+            loss, stats = fused_lce(x, w, t, bias=b, class_weights=cw, return_stats=True, chunk_rows=chunk_rows,
+                                    **options, **extra)
+            return loss, stats
+
+        loss, vjp, stats = jax.vjp(loss_fn, x, w, b, has_aux=True)
+        dx, dw, db = vjp(jnp.broadcast_to(g, loss.shape).astype(loss.dtype))
+        return {"loss": loss, "lse": stats["lse"], "z_loss": stats["z_loss"], "accuracy": stats["accuracy"],
+                "dx": dx, "dw": dw, "db": db}
+
+    g = jnp.asarray(1.0 if grad_output is None else np.asarray(as_float64(grad_output)), jnp.float32)
+    out = (jax.jit(f) if jit else f)(x, w, b, t, cw, g)
+    return jax.block_until_ready(out)
+
+
+_CASE_RESULTS: dict = {}
+
+
+def case_result(twin: str, case: Case, chunk_rows=None) -> dict:
+    """Cached (per pytest process) float64 numpy outputs of ``twin`` ("torch" | "jax") on ``make_inputs(case)``
+    with the case's options, plus "dtypes" (the outputs' dtype names). Shared by the reference test and the
+    cross-twin test so that each twin runs each case once."""
+    key = (twin, case, chunk_rows)
+    if key not in _CASE_RESULTS:
+        from parity.cases import make_inputs
+
+        inp = make_inputs(case)
+        if twin == "torch":
+            import fce_torch
+
+            raw = torch_run(fce_torch.fused_lce, inp, case.options(), chunk_rows=chunk_rows)
+        else:
+            import fce_jax
+
+            raw = jax_run(fce_jax.fused_lce, inp, case.options(), chunk_rows=chunk_rows)
+        res = {k: None if v is None else as_float64(v) for k, v in raw.items()}
+        res["dtypes"] = {k: None if v is None else dtype_name_or_str(v.dtype) for k, v in raw.items()}
+        _CASE_RESULTS[key] = res
+    return _CASE_RESULTS[key]
+
+
+def dtype_name_or_str(dtype) -> str:
+    """"float32" | "bfloat16" | "float16" | "int64"...: a framework-neutral dtype name."""
+    try:
+        return dtype_name(dtype)
+    except ValueError:
+        return str(dtype).removeprefix("torch.")
+
+
+def assert_twins_agree(a: dict, b: dict, dtype) -> dict:
+    """SPEC bounds between two implementations' outputs (float64 numpy dicts): loss-like keys (loss, z_loss,
+    lse) within the loss bound, dx/dw/db within the gradient bound, both as relative-norm errors of ``a``
+    against ``b``; accuracy equal. Returns the errors."""
+    loss_tol, grad_tol = tolerances(dtype)
+    errors, failures = {}, []
+    for key in ("loss", "lse", "z_loss", "accuracy", "dx", "dw", "db"):
+        if a.get(key) is None and b.get(key) is None:
+            continue
+        if a.get(key) is None or b.get(key) is None:
+            failures.append(f"{key}: present in only one output")
+            continue
+        tol = grad_tol if key in GRAD_KEYS else (0.0 if key == "accuracy" else loss_tol)
+        errors[key] = err = rel_err(a[key], b[key]) if key != "accuracy" else float(
+            np.max(np.abs(as_float64(a[key]) - as_float64(b[key])), initial=0.0))
+        if not err <= tol:
+            failures.append(f"{key}: {err:.3e} > {tol:.0e}")
+    assert not failures, "; ".join(failures) + f" (all: {errors})"
+    return errors

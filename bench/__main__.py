@@ -1,0 +1,119 @@
+"""Command line: ``python -m bench {op,sft,cpo} [--smoke] [--shape N,H,V|anchors]... [--impl NAME]...
+[--out DIR] [--reps K] [--warmup K]``.
+
+Progress goes to stderr (one line per cell), the final table to stdout, and JSON + Markdown + PNG files to
+``--out`` (default ``bench/results/<gpu-name>/``, ``bench/results/cpu-smoke/`` with ``--smoke``).
+``--smoke`` runs tiny shapes on the CPU only: the Triton interpreter (``TRITON_INTERPRET=1``) and JAX's CPU
+backend (Pallas in interpret mode), which is what CI runs. Without a GPU and without ``--smoke``, ``op`` needs
+explicit (small) ``--shape``s and ``sft``/``cpo`` refuse to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+
+def _shape(text: str) -> tuple[int, int, int] | str:
+    if text == "anchors":
+        return text
+    try:
+        n, h, v = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N,H,V (three integers), got {text!r}") from None
+    if min(n, h, v) <= 0:
+        raise argparse.ArgumentTypeError(f"N, H and V must be positive, got {text!r}")
+    return n, h, v
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU (Triton interpreter, Pallas interpret mode), 2 reps: for CI")
+    common.add_argument("--impl", action="append", metavar="NAME",
+                        help="run only these implementations (repeatable, or comma-separated)")
+    common.add_argument("--out", type=Path, metavar="DIR", help="output folder (default bench/results/<gpu>/)")
+    common.add_argument("--reps", type=int, metavar="K",
+                        help="timed repetitions per cell, op and cpo (default 20; smoke 2)")
+    common.add_argument("--warmup", type=int, metavar="K", help="untimed calls per cell first (default 3; smoke 0)")
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1])
+    sub = parser.add_subparsers(dest="bench", required=True)
+    op = sub.add_parser("op", parents=[common], help="the loss alone, forward+backward and loss-only")
+    op.add_argument("--shape", action="append", type=_shape, metavar="N,H,V",
+                    help="run this shape (repeatable; 'anchors' = the five anchor shapes of DESIGN.md); "
+                         "default: the anchors (smoke: two tiny shapes)")
+    sub.add_parser("sft", parents=[common], help="training steps of HF causal LMs (and a JAX twin)")
+    sub.add_parser("cpo", parents=[common], help="the fused linear CPO preference loss")
+    return parser
+
+
+def _select_device(smoke: bool) -> str:
+    """Choose torch's device and set the environment that must precede importing triton / jax."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with torch
+    if not smoke:
+        import torch  # does not import triton
+
+        if torch.cuda.is_available():
+            return "cuda"
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    # Tiny shapes on a few shared cores: torch's OpenMP threads and XLA's Eigen pool wait on each other and on
+    # other processes (a 128x128x512 GEMM then takes 30 ms instead of 0.3 ms), so one thread each; and XLA's
+    # LLVM optimizations cost seconds per compile while the programs run for milliseconds, so none.
+    flags = " --xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + flags).strip()
+    import torch
+
+    torch.set_num_threads(1)
+    return "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    device = _select_device(args.smoke)
+
+    from bench import common, report
+
+    gpu = device == "cuda"
+    if not gpu and not args.smoke and not (args.bench == "op" and args.shape):
+        hint = " or small --shape N,H,V" if args.bench == "op" else ""
+        print(f"bench {args.bench}: no GPU here; use --smoke{hint}", file=sys.stderr)
+        return 2
+    name = common.device_name(device)
+    slug = "cpu-smoke" if args.smoke else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    settings = common.Settings(
+        device=device, smoke=args.smoke,
+        reps=args.reps or (20 if gpu else 2),
+        warmup=args.warmup if args.warmup is not None else 3 if gpu else 0 if args.smoke else 1,
+        impls=None if not args.impl else frozenset(x for arg in args.impl for x in arg.split(",") if x),
+        out=args.out or common.RESULTS / slug)
+    progress = common.Progress()
+    progress.log(f"bench {args.bench} on {name} -> {settings.out}")
+
+    if args.bench == "op":
+        from bench import op as mod
+
+        shapes = [s for arg in args.shape or [] for s in (mod.ANCHORS if arg == "anchors" else [arg])]
+        shapes = shapes or (mod.SMOKE if args.smoke else mod.ANCHORS)
+        result = mod.run(settings, shapes, progress)
+    elif args.bench == "sft":
+        from bench import sft as mod
+
+        result = mod.run(settings, progress)
+    else:
+        from bench import cpo as mod
+
+        result = mod.run(settings, progress)
+
+    for path in report.write(result, mod.COLUMNS, mod.PLOTS, settings.out):
+        progress.log(f"wrote {path}")
+    print(report.table(result, mod.COLUMNS))
+    measured = [r for r in result["rows"] if r.get("ms") is not None or r.get("step_ms") is not None]
+    return 0 if measured else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
