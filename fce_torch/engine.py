@@ -57,7 +57,6 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
     dw = None
     db = torch.zeros(vocab, device=x.device, dtype=F32) if need_db else None
     outs = []
-    z = dz = None
     for r0 in range(0, max(n_rows, 1), nc):
         r1 = min(n_rows, r0 + nc)
         z = dz = None  # release the last chunk's logits before the next GEMM allocates its own
