@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import fastmath as fm
-from .api import check_tensors
+from .api import check_tensors, check_values
 from .chunking import chunk_rows
 from .engine import NONE, Options, flce_head, pairwise_sum, precomputed_grad, sweep
 from .fastmath import LN2, LOG2E
@@ -223,10 +223,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
     if x.shape[0] % 2:
         raise ValueError(f"x's batch must be even (B chosen, then B rejected), got {x.shape[0]}")
     _, vocab = check_tensors(x, weight, targets, bias, None)
-    if not isinstance(targets, jax.core.Tracer):
-        t = np.asarray(targets)
-        if np.any(((t < 0) | (t >= vocab)) & (t != ignore_index)):
-            raise ValueError(f"targets must be in [0, {vocab}) or ignore_index={ignore_index}")
+    check_values(targets, vocab, ignore_index, None)
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")
     n_pairs, seq_len, hidden = x.shape[0] // 2, x.shape[1], x.shape[2]

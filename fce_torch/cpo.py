@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import fastmath as fm
-from .api import check_tensors
+from .api import check_tensors, check_values
 from .chunking import chunk_rows
 from .engine import NONE, Options, PrecomputedGrad, flce_head, pairwise_sum, sweep
 from .fastmath import ASM, LN2, LOG2E
@@ -220,9 +220,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         raise ValueError(f"x's batch must be even (B chosen, then B rejected), got {x.shape[0]}")
     _, vocab = check_tensors(x, weight, targets, bias, None)
     if validate and targets.numel():
-        bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
-        if bad.any().item():
-            raise ValueError(f"targets must be in [0, {vocab}) or ignore_index={ignore_index}")
+        check_values(targets, vocab, ignore_index, None)
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")
     n_pairs, seq_len, hidden = x.shape[0] // 2, x.shape[1], x.shape[2]
