@@ -1,13 +1,15 @@
 """`fused_cpo_loss`: CPO / SimPO / IPO / hinge preference loss (SPEC §3) on the chunked engine.
 
-x [2B, T, H] holds B chosen sequences, then B rejected ones. Chunks hold whole pairs: the rows are permuted so
-that chunk k is (chosen pairs of k, rejected pairs of k), T rows each. Per chunk the FLCE head gives every
-token's L1 = lse - z_y; fixed-order sums over T give each sequence's -logp; the pair kernel turns a pair's
-logps into its loss and writes the tokens' gradient coefficients
+x [2B, T, H] holds B chosen sequences, then B rejected ones. The FLCE head gives every token's
+L1 = lse - z_y; fixed-order sums over T give each sequence's -logp; the pair kernel turns a pair's logps into
+its loss and the tokens' gradient coefficients
 
     dloss/dz_c = a_t p_c + b_t [c == y_t],   a_t = kappa [t chosen] - v_seq,  b_t = -a_t   (valid tokens)
 
-with v = dloss/dlogp_seq * d logp_seq / d sum and kappa = alpha / n_chosen (the NLL term). Twin: fce_torch/cpo.py.
+with v = dloss/dlogp_seq * d logp_seq / d sum and kappa = alpha / n_chosen (the NLL term). Either chunks hold
+whole pairs (rows permuted chunk by chunk: chosen then rejected sequences of its pairs) and the pair kernel
+runs per chunk, or, when the engine keeps all dZ rows, chunks cut anywhere, dZ is written with a_t = 1 and
+scaled by a_t once all pairs are known. Twin: fce_torch/cpo.py.
 """
 import functools
 
@@ -20,7 +22,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from . import fastmath as fm
 from .api import check_tensors, check_values
-from .chunking import chunk_rows
+from .chunking import plan
 from .engine import NONE, Options, flce_head, pairwise_sum, precomputed_grad, sweep
 from .fastmath import LN2, LOG2E
 from .pallas_call import call, interpret_mode
@@ -128,14 +130,18 @@ def _cpo_total_kernel(sums_ref, scal_ref, out_ref, *, alpha, asm):
     out_ref[...] = jnp.where(i == 0, jnp.sum(loss), jnp.sum(nll))
 
 
-def _cpo_head(stats, inputs, *, cfg, scalars, vocab):
-    """The chunk's FLCE statistics -> per-token coefficients and per-pair outputs."""
-    y = inputs["y"]
-    rows = flce_head(stats["m"], stats["s"], stats["zy"], None, stats["amax"], y, None, None, scalars,
+def _token_rows(stats, inputs, *, cfg, scalars, vocab):
+    """The FLCE head (mode "none") on a chunk: every token's lse, L1 = lse - z_y (0 when ignored) and the unit
+    coefficients a = 1, b = -1 of a valid token."""
+    return flce_head(stats["m"], stats["s"], stats["zy"], None, stats["amax"], inputs["y"], None, None, scalars,
                      mode=NONE, ignore_index=cfg["ignore_index"], label_smoothing=0.0, z_loss=0.0, vocab=vocab)
+
+
+def _pairs(l1, y, *, cfg, scalars):
+    """Tokens' L1 of whole pairs (chosen sequences, then rejected) -> the pairs' outputs and the tokens'
+    coefficients a (b = -a)."""
     seq_len = cfg["seq_len"]
     n_pairs = y.shape[0] // (2 * seq_len)
-    l1 = rows["loss"]  # lse - z_y on valid tokens, 0 elsewhere
     sums = pairwise_sum(l1.reshape(2, n_pairs, seq_len))
     counts = jnp.sum((y != cfg["ignore_index"]).reshape(2, n_pairs, seq_len).astype(jnp.int32), -1).astype(F32)
     pair = jax.ShapeDtypeStruct((n_pairs,), F32)
@@ -149,21 +155,58 @@ def _cpo_head(stats, inputs, *, cfg, scalars, vocab):
         alpha=cfg["alpha"], loss_type=LOSS_TYPES[cfg["loss_type"]], average=cfg["average_log_prob"],
         asm=not interpret_mode())(sums, counts, y.reshape(2, n_pairs, seq_len), scalars)
     chosen = jnp.arange(y.shape[0]) < n_pairs * seq_len
-    return {"lse": rows["lse"], "a": a.reshape(-1), "b": b.reshape(-1), "c": jnp.zeros_like(l1),
-            "nll": jnp.where(chosen, l1, 0.0), "pair_loss": pair_loss,
+    return {"a": a.reshape(-1), "b": b.reshape(-1), "nll": jnp.where(chosen, l1, 0.0), "pair_loss": pair_loss,
             "logp_c": logp[0], "logp_r": logp[1], "reward_c": reward[0], "reward_r": reward[1]}
 
 
-def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk):
-    """`precomputed_grad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). The rows are in
-    chunk order; `n_chosen` counts the valid chosen tokens."""
+def _pair_chunk_head(stats, inputs, *, cfg, scalars, vocab):
+    """A chunk of whole pairs: its statistics -> the final coefficients and the pairs' outputs."""
+    rows = _token_rows(stats, inputs, cfg=cfg, scalars=scalars, vocab=vocab)
+    return {"lse": rows["lse"], "c": jnp.zeros_like(rows["loss"]),
+            **_pairs(rows["loss"], inputs["y"], cfg=cfg, scalars=scalars)}
+
+
+def _finish_pairs(outputs, *, y, cfg, scalars):
+    """With dZ kept (unit coefficients): all tokens' L1 -> the pairs' outputs and the tokens' dZ scale."""
+    pairs = _pairs(outputs["loss"], y, cfg=cfg, scalars=scalars)
+    del pairs["b"]
+    pairs["scale"] = pairs.pop("a")
+    return pairs
+
+
+def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
+    """`precomputed_grad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). `n_chosen`
+    counts the valid chosen tokens.
+
+    When every chunk's dZ is kept (chunking.plan's store), chunks cut the rows anywhere: the head gives unit
+    coefficients, and the pairs' scale comes once all rows are in. Otherwise chunks hold whole pairs (the rows
+    permuted chunk by chunk) and the head gives the final coefficients.
+    """
     vocab = w.shape[0]
-    n_pairs_total = y.shape[0] // (2 * cfg["seq_len"])
+    seq_len = cfg["seq_len"]
+    n_pairs = y.shape[0] // (2 * seq_len)
     # [B, n_chosen, W_sum]: the first two feed the pair kernel, W_sum the FLCE head (no class weights).
-    scalars = jnp.stack([jnp.asarray(n_pairs_total, F32), n_chosen, jnp.asarray(vocab, F32)])
-    head = functools.partial(_cpo_head, cfg=cfg, scalars=scalars, vocab=vocab)
+    scalars = jnp.stack([jnp.asarray(n_pairs, F32), n_chosen, jnp.asarray(vocab, F32)])
     opt = Options(ignore_index=cfg["ignore_index"])
-    out, dx, dw, db = sweep(x, w, bias, None, opt, head, {"y": y}, grads=grads, chunk=chunk)
+    nc, store = plan(y.shape[0], x.shape[1], vocab, x.dtype.itemsize, grads[1], chunk_rows)
+    order = None
+    if store:
+        head = functools.partial(_token_rows, cfg=cfg, scalars=scalars, vocab=vocab)
+        finish = functools.partial(_finish_pairs, y=y, cfg=cfg, scalars=scalars)
+    else:
+        per_chunk, order = pair_chunks(n_pairs, seq_len, nc)
+        nc = 2 * per_chunk * seq_len
+        head = functools.partial(_pair_chunk_head, cfg=cfg, scalars=scalars, vocab=vocab)
+        finish = None
+    seqs = (2 * n_pairs, seq_len, x.shape[1])
+    if order is not None:
+        order = np.asarray(order)
+        x, y = x.reshape(seqs)[order].reshape(x.shape), y.reshape(seqs[:2])[order].reshape(y.shape)
+    out, dx, dw, db = sweep(x, w, bias, None, opt, head, {"y": y}, grads=grads, chunking=(nc, store),
+                            finish=finish)
+    if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
+        out["nll"] = _unpermute(out["nll"], order, seqs[:2])
+        dx = None if dx is None else _unpermute(dx, order, seqs)
     sums = jnp.stack([pairwise_sum(out["pair_loss"]), pairwise_sum(out["nll"])])
     total = call(_cpo_total_kernel, out_shape=jax.ShapeDtypeStruct((2,), F32), grid=(1,), alpha=cfg["alpha"],
                  asm=not interpret_mode())(sums, scalars)
@@ -171,9 +214,15 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk):
     return total[0], extras, dx, dw, db
 
 
-def pair_chunks(n_pairs, seq_len, vocab, requested_rows):
-    """(pairs per chunk, row permutation or None): whole pairs per chunk, rows ordered chunk by chunk."""
-    per_chunk = max(1, chunk_rows(2 * n_pairs * seq_len, vocab, requested_rows) // (2 * seq_len))
+def _unpermute(t, order, seqs):
+    """t's sequences (shape `seqs` = [2B, T, ...]) from chunk order back to the caller's."""
+    return t.reshape(seqs)[np.argsort(order)].reshape(t.shape)
+
+
+def pair_chunks(n_pairs, seq_len, rows):
+    """(pairs per chunk, sequence permutation or None): whole pairs in chunks of at most `rows` rows (at least
+    one pair), the sequences ordered chunk by chunk (its chosen sequences, then its rejected ones)."""
+    per_chunk = max(1, rows // (2 * seq_len))
     if per_chunk >= n_pairs:
         return n_pairs, None
     order = []
@@ -201,7 +250,8 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
             ipo and simpo, False otherwise, as TRL does). A sequence without valid tokens has log-prob 0.
         return_stats: also return ``chosen_logps``, ``rejected_logps``, ``chosen_rewards`` (beta * logp),
             ``rejected_rewards`` ([B] each) and ``nll_loss`` (no gradient).
-        chunk_rows: rows per chunk (rounded down to whole pairs, at least one pair).
+        chunk_rows: rows per chunk; rounded down to whole pairs (at least one) unless the chunks' dZ are kept
+            (see ``fce_jax.chunking.plan``).
 
     Returns:
         The float32 scalar loss (and the stats dict). Differentiable in ``x``, ``weight`` and ``bias``.
@@ -231,13 +281,9 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
                label_smoothing=float(label_smoothing), loss_type=loss_type, simpo_gamma=float(simpo_gamma),
                average_log_prob=bool(average_log_prob), seq_len=seq_len)
     n_chosen = jnp.sum((targets[:n_pairs] != ignore_index).astype(jnp.int32)).astype(F32)
-    per_chunk, order = pair_chunks(n_pairs, seq_len, vocab, chunk_rows)
-    if order is not None:
-        index = jnp.asarray(order)
-        x, targets = x[index], targets[index]
     x2 = jnp.reshape(x, (-1, hidden))
     y = jnp.reshape(targets, (-1,)).astype(jnp.int32)
-    run = functools.partial(_cpo_run, y=y, n_chosen=n_chosen, cfg=cfg, chunk=2 * per_chunk * seq_len)
+    run = functools.partial(_cpo_run, y=y, n_chosen=n_chosen, cfg=cfg, chunk_rows=chunk_rows)
     loss, logp_c, logp_r, reward_c, reward_r, nll = precomputed_grad(x2, weight, bias, run)
     if not return_stats:
         return loss

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import gemm
-from .chunking import chunk_rows
-from .dlogits import accumulate_bias_grad, dlogits
+from .chunking import plan
+from .dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .grad_scale import as_grad
 from .head import MEAN, NONE, SUM, flce_head, pairwise_sum
 from .row_stats import row_stats
@@ -35,24 +35,30 @@ class Options:
     chunk_rows: int | None = None
 
 
-def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunk=None,
-          trace=None):
+def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunking=None,
+          finish=None, trace=None):
     """One pass over all rows of x [N, H] with w [V, H]. `row_inputs`: per-row arrays (at least "y"), cut into
-    chunks of `chunk` rows (default `chunk_rows(N, V, opt.chunk_rows)`) and handed to
+    chunks (`chunking` = (rows per chunk, store), default `plan(...)` from chunking.py) and handed to
     `head(stats, inputs) -> dict` with the chunk's statistics (m, s, zy, q, amax). The head's outputs (which
     must include lse, a, b, c when gradients are asked) are concatenated over chunks.
 
+    With store, dZ of all rows is kept and the dX and dW GEMMs run once after the last chunk. `finish(outputs)`
+    returns more outputs from all rows' outputs; its "scale" [N] multiplies the kept dZ rows before the GEMMs
+    (for a loss whose coefficients need more rows than a chunk holds: the head gives unit coefficients, finish
+    the scale), so a finish with "scale" needs store whenever gradients are asked.
+
     Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute; dw is float32 when
-    accumulated over several chunks, in the input dtype for a single 16-bit chunk.
+    accumulated over several chunks, in the input dtype for a single 16-bit chunk or with store.
     """
     n_rows, vocab = x.shape[0], w.shape[0]
-    nc = chunk or chunk_rows(n_rows, vocab, opt.chunk_rows)
-    n_full, tail = divmod(n_rows, nc)
     need_dx, need_dw, need_db = grads
+    nc, store = chunking or plan(n_rows, x.shape[1], vocab, x.dtype.itemsize, need_dw, opt.chunk_rows)
+    store = store and any(grads)
+    n_full, tail = divmod(n_rows, nc)
 
     def step(carry, xs, first=False, last=False):
-        dw, db = carry
-        x_c, inputs = xs
+        acc, db = carry  # acc: the float32 dW accumulator, or with store all rows' dZ
+        x_c, inputs, r0 = xs
         z = gemm.mm(x_c, w, F32, b_t=True)
         m, zy, amax, s_part, q_part = row_stats(z, bias, inputs["y"], class_weights, softcap=opt.softcap,
                                                 smoothing=opt.label_smoothing > 0)
@@ -63,20 +69,26 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
             trace["logits"] = z
         if not any(grads):
             return carry, (out, None)
-        dz = dlogits(z, bias, inputs["y"], class_weights, out["lse"], out["a"], out["b"], out["c"],
-                     softcap=opt.softcap, dtype=x.dtype)
+        coefficients = (out["lse"], out["a"], out["b"], out["c"])
+        if store:  # the first chunk makes the [N, V] buffer, the others write their rows into it in place
+            acc = dlogits(z, bias, inputs["y"], class_weights, *coefficients, softcap=opt.softcap, dtype=x.dtype,
+                          into=None if first else acc, row0=r0, out_rows=n_rows)
+            if trace is not None and first:
+                trace["dlogits"] = acc[:x_c.shape[0]]
+            return (acc, db), (out, None)
+        dz = dlogits(z, bias, inputs["y"], class_weights, *coefficients, softcap=opt.softcap, dtype=x.dtype)
         if trace is not None and first:
             trace["dlogits"] = dz
         dx_c = gemm.mm(dz, w, x.dtype) if need_dx else None
         if need_dw:  # one chunk: the GEMM writes the dtype; several: a float32 accumulator
-            dw = (gemm.mm(dz, x_c, w.dtype if last else F32, a_t=True) if first
-                  else gemm.addmm(dw, dz, x_c, a_t=True))
+            acc = (gemm.mm(dz, x_c, w.dtype if last else F32, a_t=True) if first
+                   else gemm.addmm(acc, dz, x_c, a_t=True))
         if need_db:
             db = accumulate_bias_grad(dz, db)
-        return (dw, db), (out, dx_c)
+        return (acc, db), (out, dx_c)
 
     def rows(r0, r1):
-        return x[r0:r1], {k: v[r0:r1] for k, v in row_inputs.items()}
+        return x[r0:r1], {k: v[r0:r1] for k, v in row_inputs.items()}, r0
 
     carry = (None, jnp.zeros((vocab,), F32) if need_db else None)
     carry, first = step(carry, rows(0, nc), first=True, last=n_rows <= nc)
@@ -84,15 +96,28 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
     if n_full > 1:
         def stack(a):
             return a[nc:n_full * nc].reshape(n_full - 1, nc, *a.shape[1:])
-        carry, (out_mid, dx_mid) = lax.scan(step, carry, (stack(x), jax.tree.map(stack, row_inputs)))
+        starts = nc * jnp.arange(1, n_full, dtype=jnp.int32)
+        carry, (out_mid, dx_mid) = lax.scan(step, carry, (stack(x), jax.tree.map(stack, row_inputs), starts))
         flat = functools.partial(jax.tree.map, lambda a: a.reshape(-1, *a.shape[2:]))
         pieces.append((flat(out_mid), None if dx_mid is None else flat(dx_mid)))
     if tail:
         carry, last = step(carry, rows(n_full * nc, n_rows))
         pieces.append(last)
     outputs = {k: jnp.concatenate([p[0][k] for p in pieces]) for k in first[0]}
-    dx = jnp.concatenate([p[1] for p in pieces]) if need_dx else None
-    return outputs, dx, carry[0], carry[1]
+    if finish is not None:
+        outputs.update(finish(outputs))
+    if "scale" in outputs and any(grads) and not store:
+        raise ValueError("sweep: a finish with a scale needs store (the chunks' dZ are gone)")
+    acc, db = carry
+    if not store:
+        dx = jnp.concatenate([p[1] for p in pieces]) if need_dx else None
+        return outputs, dx, acc, db
+    dz_rows = scale_rows(acc, outputs["scale"]) if "scale" in outputs else acc
+    dx = gemm.mm(dz_rows, w, x.dtype) if need_dx else None
+    dw = gemm.mm(dz_rows, x, w.dtype, a_t=True) if need_dw else None
+    if need_db:
+        db = accumulate_bias_grad(dz_rows, db)
+    return outputs, dx, dw, db
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

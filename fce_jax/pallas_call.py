@@ -15,9 +15,10 @@ def interpret_mode() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def call(kernel, *, out_shape, grid, num_warps=4, num_stages=3, **static):
+def call(kernel, *, out_shape, grid, num_warps=4, num_stages=3, input_output_aliases=None, **static):
     """pallas_call(kernel with its static keywords bound) for this backend."""
     interpret = interpret_mode()
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     return pl.pallas_call(functools.partial(kernel, **static), out_shape=out_shape, grid=grid,
-                          interpret=interpret, compiler_params=params)
+                          interpret=interpret, compiler_params=params,
+                          input_output_aliases=input_output_aliases or {})

@@ -1,13 +1,15 @@
 """`fused_cpo_loss`: CPO / SimPO / IPO / hinge preference loss (SPEC §3) on the chunked engine.
 
-x [2B, T, H] holds B chosen sequences, then B rejected ones. Chunks hold whole pairs: the rows are permuted so
-that chunk k is (chosen pairs of k, rejected pairs of k), T rows each. Per chunk the FLCE head gives every
-token's L1 = lse - z_y; fixed-order sums over T give each sequence's -logp; the pair kernel turns a pair's
-logps into its loss and writes the tokens' gradient coefficients
+x [2B, T, H] holds B chosen sequences, then B rejected ones. The FLCE head gives every token's
+L1 = lse - z_y; fixed-order sums over T give each sequence's -logp; the pair kernel turns a pair's logps into
+its loss and the tokens' gradient coefficients
 
     dloss/dz_c = a_t p_c + b_t [c == y_t],   a_t = kappa [t chosen] - v_seq,  b_t = -a_t   (valid tokens)
 
-with v = dloss/dlogp_seq * d logp_seq / d sum and kappa = alpha / n_chosen (the NLL term). Twin: fce_jax/cpo.py.
+with v = dloss/dlogp_seq * d logp_seq / d sum and kappa = alpha / n_chosen (the NLL term). Either chunks hold
+whole pairs (rows permuted chunk by chunk: chosen then rejected sequences of its pairs) and the pair kernel
+runs per chunk, or, when the engine keeps all dZ rows, chunks cut anywhere, dZ is written with a_t = 1 and
+scaled by a_t once all pairs are known. Twin: fce_jax/cpo.py.
 """
 import functools
 
@@ -17,7 +19,7 @@ import triton.language as tl
 
 from . import fastmath as fm
 from .api import check_tensors, check_values
-from .chunking import chunk_rows
+from .chunking import plan
 from .engine import NONE, Options, PrecomputedGrad, flce_head, pairwise_sum, sweep
 from .fastmath import ASM, LN2, LOG2E
 
@@ -118,15 +120,19 @@ def _cpo_total_kernel(sums_ptr, scal_ptr, out_ptr, alpha, ASM: tl.constexpr):
     tl.store(out_ptr + i, tl.where(i == 0, tl.sum(loss, axis=0), tl.sum(nll, axis=0)))
 
 
-def _cpo_head(stats, inputs, *, cfg, scalars, vocab):
-    """The chunk's FLCE statistics -> per-token coefficients and per-pair outputs."""
-    y = inputs["y"]
-    rows = flce_head(stats["m"], stats["s"], stats["zy"], None, stats["amax"], y, None, None, scalars,
+def _token_rows(stats, inputs, *, cfg, scalars, vocab):
+    """The FLCE head (mode "none") on a chunk: every token's lse, L1 = lse - z_y (0 when ignored) and the unit
+    coefficients a = 1, b = -1 of a valid token."""
+    return flce_head(stats["m"], stats["s"], stats["zy"], None, stats["amax"], inputs["y"], None, None, scalars,
                      mode=NONE, ignore_index=cfg["ignore_index"], label_smoothing=0.0, z_loss=0.0, vocab=vocab,
                      asm=ASM)
+
+
+def _pairs(l1, y, *, cfg, scalars):
+    """Tokens' L1 of whole pairs (chosen sequences, then rejected) -> the pairs' outputs and the tokens'
+    coefficients a (b = -a)."""
     seq_len = cfg["seq_len"]
     n_pairs = y.shape[0] // (2 * seq_len)
-    l1 = rows["loss"]  # lse - z_y on valid tokens, 0 elsewhere
     sums = pairwise_sum(l1.view(2 * n_pairs, seq_len))
     counts = (y != cfg["ignore_index"]).view(2 * n_pairs, seq_len).sum(-1).to(torch.float32)
     dev = y.device
@@ -142,23 +148,60 @@ def _cpo_head(stats, inputs, *, cfg, scalars, vocab):
         LOSS_TYPE=LOSS_TYPES[cfg["loss_type"]], AVERAGE=cfg["average_log_prob"], BP=BLOCK_PAIRS, BT=BLOCK_T,
         ASM=ASM, num_warps=4)
     chosen = torch.arange(y.shape[0], device=dev) < n_pairs * seq_len
-    return {"lse": rows["lse"], "a": a, "b": b, "c": torch.zeros_like(l1),
-            "nll": torch.where(chosen, l1, 0.0), "pair_loss": pair_loss,
-            "logp_c": logp[:n_pairs], "logp_r": logp[n_pairs:],
-            "reward_c": reward[:n_pairs], "reward_r": reward[n_pairs:]}
+    return {"a": a, "b": b, "nll": torch.where(chosen, l1, 0.0), "pair_loss": pair_loss,
+            "logp_c": logp[:n_pairs], "logp_r": logp[n_pairs:], "reward_c": reward[:n_pairs],
+            "reward_r": reward[n_pairs:]}
 
 
-def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk):
-    """`PrecomputedGrad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). The rows are in
-    chunk order; `n_chosen` counts the valid chosen tokens."""
+def _pair_chunk_head(stats, inputs, *, cfg, scalars, vocab):
+    """A chunk of whole pairs: its statistics -> the final coefficients and the pairs' outputs."""
+    rows = _token_rows(stats, inputs, cfg=cfg, scalars=scalars, vocab=vocab)
+    return {"lse": rows["lse"], "c": torch.zeros_like(rows["loss"]),
+            **_pairs(rows["loss"], inputs["y"], cfg=cfg, scalars=scalars)}
+
+
+def _finish_pairs(outputs, *, y, cfg, scalars):
+    """With dZ kept (unit coefficients): all tokens' L1 -> the pairs' outputs and the tokens' dZ scale."""
+    pairs = _pairs(outputs["loss"], y, cfg=cfg, scalars=scalars)
+    del pairs["b"]
+    pairs["scale"] = pairs.pop("a")
+    return pairs
+
+
+def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
+    """`PrecomputedGrad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). `n_chosen`
+    counts the valid chosen tokens.
+
+    When every chunk's dZ is kept (chunking.plan's store), chunks cut the rows anywhere: the head gives unit
+    coefficients, and the pairs' scale comes once all rows are in. Otherwise chunks hold whole pairs (the rows
+    permuted chunk by chunk) and the head gives the final coefficients.
+    """
     vocab = w.shape[0]
-    n_pairs_total = y.shape[0] // (2 * cfg["seq_len"])
+    seq_len = cfg["seq_len"]
+    n_pairs = y.shape[0] // (2 * seq_len)
     # [B, n_chosen, W_sum]: the first two feed the pair kernel, W_sum the FLCE head (no class weights).
-    scalars = torch.stack([torch.full_like(n_chosen, float(n_pairs_total)), n_chosen,
-                           torch.full_like(n_chosen, float(vocab))])
-    head = functools.partial(_cpo_head, cfg=cfg, scalars=scalars, vocab=vocab)
+    scalars = torch.stack([torch.full_like(n_chosen, float(n_pairs)), n_chosen, torch.full_like(n_chosen,
+                                                                                              float(vocab))])
     opt = Options(ignore_index=cfg["ignore_index"])
-    out, dx, dw, db = sweep(x, w, bias, None, opt, head, {"y": y}, grads=grads, chunk=chunk)
+    nc, store = plan(y.shape[0], x.shape[1], vocab, x.element_size(), grads[1], chunk_rows)
+    order = None
+    if store:
+        head = functools.partial(_token_rows, cfg=cfg, scalars=scalars, vocab=vocab)
+        finish = functools.partial(_finish_pairs, y=y, cfg=cfg, scalars=scalars)
+    else:
+        per_chunk, order = pair_chunks(n_pairs, seq_len, nc)
+        nc = 2 * per_chunk * seq_len
+        head = functools.partial(_pair_chunk_head, cfg=cfg, scalars=scalars, vocab=vocab)
+        finish = None
+    seqs = (2 * n_pairs, seq_len, x.shape[1])
+    if order is not None:
+        order = torch.tensor(order, device=x.device)
+        x, y = x.view(seqs)[order].view(x.shape), y.view(seqs[:2])[order].view(y.shape)
+    out, dx, dw, db = sweep(x, w, bias, None, opt, head, {"y": y}, grads=grads, chunking=(nc, store),
+                            finish=finish)
+    if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
+        out["nll"] = _unpermute(out["nll"], order, seqs[:2])
+        dx = None if dx is None else _unpermute(dx, order, seqs)
     total = torch.empty(2, device=x.device, dtype=torch.float32)
     _cpo_total_kernel[(1,)](torch.stack([pairwise_sum(out["pair_loss"]), pairwise_sum(out["nll"])]), scalars,
                             total, cfg["alpha"], ASM=ASM)
@@ -166,9 +209,15 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk):
     return total[0], extras, dx, dw, db
 
 
-def pair_chunks(n_pairs, seq_len, vocab, requested_rows):
-    """(pairs per chunk, row permutation or None): whole pairs per chunk, rows ordered chunk by chunk."""
-    per_chunk = max(1, chunk_rows(2 * n_pairs * seq_len, vocab, requested_rows) // (2 * seq_len))
+def _unpermute(t, order, seqs):
+    """t's sequences (shape `seqs` = [2B, T, ...]) from chunk order back to the caller's."""
+    return torch.empty_like(t).view(seqs).index_copy_(0, order, t.view(seqs)).view(t.shape)
+
+
+def pair_chunks(n_pairs, seq_len, rows):
+    """(pairs per chunk, sequence permutation or None): whole pairs in chunks of at most `rows` rows (at least
+    one pair), the sequences ordered chunk by chunk (its chosen sequences, then its rejected ones)."""
+    per_chunk = max(1, rows // (2 * seq_len))
     if per_chunk >= n_pairs:
         return n_pairs, None
     order = []
@@ -197,7 +246,8 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         return_stats: also return ``chosen_logps``, ``rejected_logps``, ``chosen_rewards`` (beta * logp),
             ``rejected_rewards`` ([B] each) and ``nll_loss`` (no gradient).
         validate: check the targets are in range (one host synchronization).
-        chunk_rows: rows per chunk (rounded down to whole pairs, at least one pair).
+        chunk_rows: rows per chunk; rounded down to whole pairs (at least one) unless the chunks' dZ are kept
+            (see ``fce_torch.chunking.plan``).
 
     Returns:
         The float32 scalar loss (and the stats dict). Gradients flow to ``x``, ``weight`` and ``bias``.
@@ -232,13 +282,9 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     n_chosen = (targets[:n_pairs] != ignore_index).sum().to(torch.float32)
-    per_chunk, order = pair_chunks(n_pairs, seq_len, vocab, chunk_rows)
-    if order is not None:
-        index = torch.tensor(order, device=x.device)
-        x, targets = x[index], targets[index]
     x2 = x.reshape(-1, hidden).contiguous()
     y = targets.reshape(-1).to(torch.int64).contiguous()
-    run = functools.partial(_cpo_run, y=y, n_chosen=n_chosen, cfg=cfg, chunk=2 * per_chunk * seq_len)
+    run = functools.partial(_cpo_run, y=y, n_chosen=n_chosen, cfg=cfg, chunk_rows=chunk_rows)
     w = weight.contiguous()
     b = None if bias is None else bias.contiguous()
     with torch.autocast(x.device.type, enabled=False):

@@ -1,4 +1,5 @@
-"""Pass B over a chunk of float32 logits: dZ = (a p + b onehot(y) + c w) (x softcap derivative), and db.
+"""Pass B over a chunk of float32 logits: dZ = (a p + b onehot(y) + c w) (x softcap derivative), a later
+per-row scale of kept dZ rows, and db.
 
 The dZ kernel walks each block of rows left to right, so it may write its output into the logits' own
 memory (a 16-bit dZ row occupies the first half of its float32 row): every write lands on columns this
@@ -52,6 +53,19 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
 
 
 @triton.jit
+def _scale_rows_kernel(dz_ptr, stride_dz, scale_ptr, n_rows, V, BR: tl.constexpr, BV: tl.constexpr,
+                       ASM: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < V)[None, :]
+    ptrs = dz_ptr + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :]
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    dz = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, fm.to_dtype(fm.mul(dz, scale[:, None], ASM), dz_ptr.dtype.element_ty, ASM), mask=mask)
+
+
+@triton.jit
 def _bias_grad_kernel(dz_ptr, stride_dz, db_ptr, n_rows, V, BV: tl.constexpr):
     cols = tl.program_id(0) * BV + tl.arange(0, BV)
     col_ok = cols < V
@@ -73,6 +87,15 @@ def dlogits(z, dz, bias, y, class_weights, lse, a, b, c, *, softcap, asm):
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_CW=class_weights is not None,
         IN_PLACE=dz.data_ptr() == z.data_ptr() and dz.dtype != z.dtype, BR=BLOCK_ROWS, BV=BLOCK_V, ASM=asm,
         num_warps=4)
+
+
+def scale_rows(dz, scale):
+    """dz [n, V] *= scale [n] (float32) row by row, in place, rounded once to dz's dtype."""
+    n, V = dz.shape
+    if n == 0:
+        return
+    _scale_rows_kernel[(triton.cdiv(n, BLOCK_ROWS), triton.cdiv(V, BLOCK_V))](
+        dz, dz.stride(0), scale, n, V, BR=BLOCK_ROWS, BV=BLOCK_V, ASM=fm.ASM, num_warps=4)
 
 
 def accumulate_bias_grad(dz, db):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from . import gemm
-from .chunking import chunk_rows
-from .dlogits import accumulate_bias_grad, dlogits
+from .chunking import plan
+from .dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .fastmath import ASM
 from .grad_scale import as_grad
 from .head import MEAN, NONE, SUM, flce_head, pairwise_sum
@@ -40,22 +40,29 @@ def _dz_buffer(z, dtype):
     return z.view(dtype)[:, : z.shape[1]]
 
 
-def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunk=None,
-          trace=None):
+def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunking=None,
+          finish=None, trace=None):
     """One pass over all rows of x [N, H] with w [V, H]. `row_inputs`: per-row arrays (at least "y"), cut into
-    chunks of `chunk` rows (default `chunk_rows(N, V, opt.chunk_rows)`) and handed to
+    chunks (`chunking` = (rows per chunk, store), default `plan(...)` from chunking.py) and handed to
     `head(stats, inputs) -> dict` with the chunk's statistics (m, s, zy, q, amax). The head's outputs (which
     must include lse, a, b, c when gradients are asked) are concatenated over chunks.
 
+    With store, dZ of all rows is kept and the dX and dW GEMMs run once after the last chunk. `finish(outputs)`
+    returns more outputs from all rows' outputs; its "scale" [N] multiplies the kept dZ rows before the GEMMs
+    (for a loss whose coefficients need more rows than a chunk holds: the head gives unit coefficients, finish
+    the scale), so a finish with "scale" needs store whenever gradients are asked.
+
     Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute; dw is float32 when
-    accumulated over several chunks, in the input dtype for a single 16-bit chunk.
+    accumulated over several chunks, in the input dtype for a single 16-bit chunk or with store.
     """
     n_rows, vocab = x.shape[0], w.shape[0]
-    nc = chunk or chunk_rows(n_rows, vocab, opt.chunk_rows)
     need_dx, need_dw, need_db = grads
-    dx = torch.empty_like(x) if need_dx else None
+    nc, store = chunking or plan(n_rows, x.shape[1], vocab, x.element_size(), need_dw, opt.chunk_rows)
+    store = store and any(grads)
+    dx = torch.empty_like(x) if need_dx and not store else None
     dw = None
     db = torch.zeros(vocab, device=x.device, dtype=F32) if need_db else None
+    dz_rows = torch.empty(n_rows, vocab, device=x.device, dtype=x.dtype) if store else None
     outs = []
     for r0 in range(0, max(n_rows, 1), nc):
         r1 = min(n_rows, r0 + nc)
@@ -73,11 +80,13 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
             trace["logits"] = z.clone()
         if not any(grads):
             continue
-        dz = _dz_buffer(z, x.dtype)
+        dz = dz_rows[r0:r1] if store else _dz_buffer(z, x.dtype)
         dlogits(z, dz, bias, inputs["y"], class_weights, out["lse"], out["a"], out["b"], out["c"],
                 softcap=opt.softcap, asm=ASM)
         if trace is not None and r0 == 0:
             trace["dlogits"] = dz.clone()
+        if store:
+            continue
         if need_dx:
             gemm.mm(dz, w, x.dtype, out=dx[r0:r1])
         if need_dw:
@@ -87,7 +96,19 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
                 gemm.addmm_(dw, dz.t(), x_c)
         if need_db:
             accumulate_bias_grad(dz, db)
+    z = dz = None
     outputs = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+    if finish is not None:
+        outputs.update(finish(outputs))
+    if "scale" in outputs and any(grads) and not store:
+        raise ValueError("sweep: a finish with a scale needs store (the chunks' dZ are gone)")
+    if store:
+        if "scale" in outputs:
+            scale_rows(dz_rows, outputs["scale"])
+        dx = gemm.mm(dz_rows, w, x.dtype) if need_dx else None
+        dw = gemm.mm(dz_rows.t(), x, w.dtype) if need_dw else None
+        if need_db:
+            accumulate_bias_grad(dz_rows, db)
     return outputs, dx, dw, db
 
 

@@ -135,3 +135,31 @@ def test_torch_no_grad_matches_grad_path():
         loss = fce_torch.fused_cpo_loss(x, w, y)
     assert loss.grad_fn is None
     assert torch.equal(loss, run_torch(x, w, y, None)["loss"])
+
+
+def test_plan_keeps_dz_and_cuts_pairs():
+    """The shapes of the next test: every chunk's dZ kept (chunks of 7 rows cut the 5-token sequences), and
+    the whole-pair path for the same rows when the weight takes no gradient."""
+    from fce_torch.chunking import plan
+
+    assert plan(30, 64, 130, 4, True, 7) == (7, True)
+    assert plan(30, 64, 130, 4, False, 7) == (7, False)
+    assert plan(30, 16, 130, 4, True, 7) == (7, False)  # dZ of all rows would outgrow the dW accumulator
+
+
+@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_chunks_cutting_pairs(twin, loss_type):
+    x, w, y, b = make(pairs=3, hidden=64, seed=7, bias=True)
+    kw = dict(loss_type=loss_type, beta=0.5, label_smoothing=0.1 if loss_type == "sigmoid" else 0.0)
+    out = TWINS[twin](x, w, y, b, chunk_rows=7, **kw)
+    assert_close_to_reference(out, cpo_reference(x, w, y, bias=b, **kw), "float32")
+
+
+def test_chunks_cutting_pairs_twins_agree_and_no_grad_matches():
+    x, w, y, b = make(pairs=3, hidden=64, seed=8, bias=True)
+    a, j = run_torch(x, w, y, b, chunk_rows=7), run_jax(x, w, y, b, chunk_rows=7)
+    for k in ("loss", "dx", "dw", "db", "chosen_logps", "rejected_logps", "nll_loss"):
+        assert rel_err(j[k], np.asarray(a[k].double())) < 1e-6, k
+    with torch.no_grad():  # whole-pair chunks here (no dW): the same loss bits
+        assert torch.equal(fce_torch.fused_cpo_loss(x, w, y, bias=b, chunk_rows=7), a["loss"])

@@ -646,3 +646,28 @@ def test_cross_twin_agreement(case):
     targets = make_inputs(case)["targets"]
     t, j = restrict_lse(t, j, targets)
     assert_twins_agree(t, j, case.dtype)
+
+
+def test_chunk_plan():
+    """dZ of all rows is kept only with several chunks, a weight gradient, and no more bytes than the float32
+    dW accumulator it replaces; then the chunks take half the logits budget. Both twins plan alike, and the
+    small cases of the twin tests run both ways."""
+    import itertools
+
+    from fce_jax import chunking as jax_chunking
+    from fce_torch.chunking import plan
+    from helpers import case_chunk_rows
+    from parity.cases import small_cases
+
+    assert plan(4096, 4096, 128256, 2, True) == (1024, True)  # 2 chunks of 1 GiB -> 4 of 512 MiB, dZ kept
+    assert plan(4096, 4096, 128256, 2, False) == (2048, False)
+    assert plan(16384, 4096, 128256, 2, True) == (2048, False)  # dZ (4 GiB) > accumulator (2 GiB)
+    assert plan(2048, 4096, 128256, 2, True) == (2048, False)  # one chunk
+    assert plan(30, 16, 100, 2, True, 8) == (8, True)
+    assert plan(30, 16, 100, 4, True, 8) == (8, False)
+    for args in itertools.product([1, 30, 4096, 5000], [16, 4096], [100, 128256], [2, 4], [True, False],
+                                  [None, 7]):
+        assert plan(*args) == jax_chunking.plan(*args), args
+    modes = {plan(c.rows, c.h, c.v, 4 if c.dtype == "float32" else 2, True, case_chunk_rows(c))[1]
+             for c in small_cases()}
+    assert modes == {True, False}
