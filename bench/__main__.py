@@ -1,5 +1,5 @@
 """Command line: ``python -m bench {op,sft,cpo} [--smoke] [--shape N,H,V|anchors]... [--impl NAME]...
-[--out DIR] [--reps K] [--warmup K]``.
+[--out DIR] [--reps K] [--warmup K]``; ``sft`` also takes ``--profile`` (where the step time goes).
 
 Progress goes to stderr (one line per cell), the final table to stdout, and JSON + Markdown + PNG files to
 ``--out`` (default ``bench/results/<gpu-name>/``, ``bench/results/cpu-smoke/`` with ``--smoke``).
@@ -45,7 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     op.add_argument("--shape", action="append", type=_shape, metavar="N,H,V",
                     help="run this shape (repeatable; 'anchors' = the five anchor shapes of DESIGN.md); "
                          "default: the anchors (smoke: two tiny shapes)")
-    sub.add_parser("sft", parents=[common], help="training steps of HF causal LMs (and a JAX twin)")
+    sft = sub.add_parser("sft", parents=[common], help="training steps of HF causal LMs (and a JAX twin)")
+    sft.add_argument("--profile", action="store_true",
+                     help="also run a body_only ablation (no LM head, no loss) per framework and profile each "
+                          "torch run's kernels by category (GEMM, attention, loss, optimizer, other)")
     sub.add_parser("cpo", parents=[common], help="the fused linear CPO preference loss")
     return parser
 
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.bench == "sft":
         from bench import sft as mod
 
-        result = mod.run(settings, progress)
+        result = mod.run(settings, progress, profile=args.profile)
     else:
         from bench import cpo as mod
 

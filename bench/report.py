@@ -1,8 +1,10 @@
 """Writes one benchmark's result as ``<bench>.json``, ``<bench>.md`` and PNG plots, and renders the terminal table.
 
 A result is a plain dict: ``bench``, ``title``, ``meta`` (device, versions, settings, date), ``notes``
-(implementation -> why it did not run) and ``rows`` (one dict per cell; missing values are ``None``).
-The benchmark modules say which row keys to show (``Column``) and what to plot (``Plot``).
+(implementation -> why it did not run) and ``rows`` (one dict per cell; missing values are ``None``), and
+optionally ``sections``: ``{"title", "markdown"}`` blocks that the Markdown report appends after its table
+(e.g. ``sft --profile``). The benchmark modules say which row keys to show (``Column``) and what to plot
+(``Plot``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def _markdown(result: dict, columns: list[Column], pngs: list[Path]) -> str:
     out += [f"- {k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in result["meta"].items()]
     out += ["", "| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
     out += ["| " + " | ".join(_cell(r, c).replace("|", "\\|") for c in columns) + " |" for r in result["rows"]]
+    for section in result.get("sections", []):
+        out += ["", f"## {section['title']}", "", section["markdown"]]
     if result["notes"]:
         out += ["", "## Not run", ""] + [f"- `{name}`: {why}" for name, why in result["notes"].items()]
     if pngs:

@@ -12,6 +12,19 @@ Per run: median step time after ``WARM`` steps (tokens/s), peak memory (torch: `
 the run, weights and optimizer included; JAX: the compiled step's arguments + outputs - aliased + temp), the
 step-1 loss and its difference to the framework's plain loss, and whether the whole loss curve agrees
 within bf16 noise (``STEP1_RTOL``, ``CURVE_RTOL``).
+
+``--profile`` answers "where does the step time go". It adds, per framework that runs, an ablation row
+``body_only`` (also selectable alone with ``--impl body_only``): the same step with the loss replaced by
+``mean(h**2)`` of the decoder's last hidden states (torch: ``model.model(...).last_hidden_state``; JAX:
+``llama_jax.hidden_states``), so no LM head and no logits but the decoder's whole backward and the optimizer.
+step(impl) - step(body_only) is what the LM head and the loss cost inside a step (``head_loss_ms`` and
+``head_loss_share`` in the rows); the agreement columns do not apply to the ablation. After all timed torch
+runs, every torch run that worked (``body_only`` included) is repeated on a fresh model: ``WARM`` steps, then
+``profiling.PROFILE_STEPS`` steps under ``torch.profiler``, whose kernel time is summed into GEMM / attention /
+loss / optimizer / other, with the top kernels (``bench.profiling``). That pass comes after the timed torch
+runs because CUPTI stays attached after a capture (unless torn down) and would slow the launches of the runs
+after it; the JAX runs do come after it, but a JAX step is one compiled launch, the same for all JAX rows.
+The captures go into the result's ``profile`` list, and a ``Profile`` section into the Markdown.
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ import time
 
 import numpy as np
 
-from bench import report
+from bench import profiling, report
 from bench.common import Progress, Settings, Unavailable, meta, rel_diff, short_error
 from bench.timing import Stopwatch, free_torch_cache
 
@@ -42,6 +55,7 @@ SMOKE_BATCH, SMOKE_SEQ, SMOKE_STEPS, SMOKE_WARM = 1, 32, 3, 1
 LR, WEIGHT_DECAY = 3e-4, 0.01
 STEP1_RTOL, CURVE_RTOL = 5e-3, 2e-2  # bf16 noise: same weights and batch, different loss numerics
 PLAIN = {"torch": "hf_stock", "jax": "jax_naive"}
+ABLATION = "body_only"  # --profile: the step without LM head and loss, in each framework
 
 COLUMNS = [
     report.Column("model", "model"), report.Column("framework", "fw"), report.Column("impl", "impl"),
@@ -106,16 +120,32 @@ def _fce(model):
     return lambda ids: model(input_ids=ids, labels=ids).loss
 
 
+def _body(model):
+    """The ablation: the decoder's whole forward and backward, a loss that costs ~nothing, no LM head."""
+    return lambda ids: model.model(input_ids=ids).last_hidden_state.float().square().mean()
+
+
 TORCH = {"hf_stock": _stock, "liger": _liger, "fce_torch": _fce}
+JAX = ("jax_naive", "fce_jax")
 
 
-def _torch_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Settings) -> dict:
+def _torch_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Settings,
+               profile_steps: int = 0) -> dict:
+    """``steps`` timed training steps; then, with ``profile_steps``, that many more under torch.profiler."""
     import torch
 
     model = _hf_model(spec, settings)
-    loss_fn = TORCH[impl](model)  # may raise Unavailable
+    loss_fn = (_body if impl == ABLATION else TORCH[impl])(model)  # may raise Unavailable
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=settings.gpu)
     ids = torch.from_numpy(ids_np).to(settings.device)
+
+    def step():
+        loss = loss_fn(ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
     if settings.gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -123,27 +153,31 @@ def _torch_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: 
     try:
         for _ in range(steps):
             watch.start()
-            loss = loss_fn(ids)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = step()
             watch.stop()
             losses.append(loss.item())
         peak = torch.cuda.max_memory_allocated() if settings.gpu else None
-        return {"times": watch.times_ms(), "losses": losses, "peak": peak}
+        out = {"times": watch.times_ms(), "losses": losses, "peak": peak}
+        if profile_steps:
+            out["profile"] = profiling.capture(step, settings.gpu, profile_steps)
+        return out
     finally:
-        del model, opt, loss_fn
+        del model, opt, loss_fn, step
         free_torch_cache(settings)
 
 
 # --- JAX ------------------------------------------------------------------------------------------------
 
 
-def _jax_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Settings) -> dict:
-    import jax
+def _jax_loss(cfg, impl: str, attention: str):
+    """``(params, ids) -> loss`` of ``impl`` (``body_only``: ``mean(h**2)`` of the final hidden states)."""
+    import jax.numpy as jnp
 
     from bench import llama_jax
 
+    if impl == ABLATION:
+        return lambda params, ids: jnp.mean(jnp.square(
+            llama_jax.hidden_states(params, ids, cfg, attention).astype(jnp.float32)))
     if impl == "fce_jax":
         try:
             from fce_jax import fused_lce as lce
@@ -151,6 +185,14 @@ def _jax_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Se
             raise Unavailable(f"fce_jax.fused_lce not importable ({type(exc).__name__}: {exc})") from None
     else:
         lce = llama_jax.plain_lce
+    return llama_jax.lm_loss(cfg, lce, attention)
+
+
+def _jax_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Settings) -> dict:
+    import jax
+
+    from bench import llama_jax
+
     cfg = llama_jax.Config(**{k: v for k, v in spec.items() if k != "arch"})
     ids = jax.numpy.asarray(ids_np)
     note = ""
@@ -158,7 +200,7 @@ def _jax_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Se
     for attention in attentions:  # cuDNN's fused attention; XLA's (materialized scores) if cuDNN refuses
         params = llama_jax.init(cfg)
         opt = llama_jax.adamw_init(params)
-        step = jax.jit(llama_jax.train_step(llama_jax.lm_loss(cfg, lce, attention), LR, WEIGHT_DECAY),
+        step = jax.jit(llama_jax.train_step(_jax_loss(cfg, impl, attention), LR, WEIGHT_DECAY),
                        donate_argnums=(0, 1))
         try:
             compiled = step.lower(params, opt, ids).compile()
@@ -185,11 +227,11 @@ def _jax_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Se
 
 
 def _agreement(rows: list[dict]) -> None:
-    """Compare every run's loss curve with its framework's plain loss on the same model."""
+    """Compare every run's loss curve with its framework's plain loss on the same model (not the ablation's)."""
     base = {(r["model"], r["framework"]): r for r in rows if r["impl"] == PLAIN[r["framework"]] and r["losses"]}
     for r in rows:
         ref = base.get((r["model"], r["framework"]))
-        if not r["losses"] or ref is None or ref is r:
+        if not r["losses"] or ref is None or ref is r or r["impl"] == ABLATION:
             continue
         r["d_step1"] = rel_diff(r["losses"][0], ref["losses"][0])
         diffs = [rel_diff(a, b) for a, b in zip(r["losses"], ref["losses"])]
@@ -198,25 +240,43 @@ def _agreement(rows: list[dict]) -> None:
         r["agree"] = "yes" if ok else "NO"
 
 
-def run(settings: Settings, progress: Progress) -> dict:
-    models = SMOKE_MODELS if settings.smoke else MODELS
-    batch, seq, steps, warm = ((SMOKE_BATCH, SMOKE_SEQ, SMOKE_STEPS, SMOKE_WARM) if settings.smoke
-                               else (BATCH, SEQ, STEPS, WARM))
-    runners = [("torch", name, _torch_run) for name in TORCH] + [("jax", name, _jax_run)
-                                                                 for name in ("jax_naive", "fce_jax")]
-    notes: dict[str, str] = {}
+def _head_loss(rows: list[dict]) -> None:
+    """``head_loss_ms`` = step - ``body_only`` step of the same model and framework (and its share)."""
+    body = {(r["model"], r["framework"]): r["step_ms"] for r in rows if r["impl"] == ABLATION and r["step_ms"]}
+    for r in rows:
+        b = body.get((r["model"], r["framework"]))
+        if r["impl"] != ABLATION and b is not None and r["step_ms"] is not None:
+            r.update(body_ms=b, head_loss_ms=r["step_ms"] - b, head_loss_share=(r["step_ms"] - b) / r["step_ms"])
+
+
+def _impls(framework: str, settings: Settings, profile: bool) -> list[str]:
+    """The framework's implementations that ``--impl`` selects, then the ablation when profiling them (or
+    when ``--impl body_only`` names it)."""
+    chosen = [name for name in (TORCH if framework == "torch" else JAX) if settings.wanted(name)]
+    if ABLATION in (settings.impls or ()) or (profile and chosen):
+        chosen.append(ABLATION)
+    return chosen
+
+
+def _ids(spec: dict, batch: int, seq: int) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, spec["vocab_size"], (batch, seq), dtype=np.int64)
+
+
+def _timed_runs(framework: str, impls: list[str], models: dict, shape: tuple, settings: Settings,
+                notes: dict[str, str], progress: Progress) -> list[dict]:
+    """One row per (implementation, model) that can run here; why the others cannot goes into ``notes``."""
+    batch, seq, steps, warm = shape
+    runner = _torch_run if framework == "torch" else _jax_run
     rows: list[dict] = []
-    # All torch runs first: JAX's allocator keeps what it has taken, torch's gives it back between runs.
-    for framework, impl, runner in runners:
+    for impl in impls:
         for model, spec in models.items():
-            if not settings.wanted(impl) or impl in notes:
+            if impl in notes:
                 continue
-            ids = np.random.default_rng(1).integers(0, spec["vocab_size"], (batch, seq), dtype=np.int64)
             row = dict(model=model, framework=framework, impl=impl, tokens=batch * seq, step_ms=None,
                        tokens_per_s=None, peak_gib=None, loss1=None, d_step1=None, d_curve=None, agree=None,
-                       note="", losses=[])
+                       note="ablation" if impl == ABLATION else "", losses=[])
             try:
-                out = runner(spec, impl, ids, steps, settings)
+                out = runner(spec, impl, _ids(spec, batch, seq), steps, settings)
             except Unavailable as exc:
                 notes[impl] = str(exc)
                 progress.log(f"sft: skipping {impl}: {exc}")
@@ -226,15 +286,65 @@ def run(settings: Settings, progress: Progress) -> dict:
             else:
                 step_ms = statistics.median(out["times"][warm:])
                 row.update(step_ms=step_ms, tokens_per_s=batch * seq / step_ms * 1e3, losses=out["losses"],
-                           loss1=out["losses"][0], peak_gib=None if out["peak"] is None else out["peak"] / 2**30,
-                           note=out.get("note", ""))
+                           loss1=out["losses"][0], peak_gib=None if out["peak"] is None else out["peak"] / 2**30)
+                row["note"] = "; ".join(x for x in (row["note"], out.get("note", "")) if x)
             gc.collect()
             rows.append(row)
             progress.log(f"sft {model:<14} {framework:<5} {impl:<10} "
-                         + (row["note"] or f"{row['step_ms']:9.2f} ms/step  loss@1 {row['loss1']:.4f}"))
-    rows.sort(key=lambda r: list(models).index(r["model"]))  # stable: per model, in the order run
+                         + (f"{row['step_ms']:9.2f} ms/step  loss@1 {row['loss1']:.4f}" if row["step_ms"]
+                            else row["note"]))
+    return rows
+
+
+def _profile_torch(rows: list[dict], models: dict, shape: tuple, settings: Settings, notes: dict[str, str],
+                   progress: Progress) -> list[dict]:
+    """Profile every torch run that worked, each on a fresh model: ``warm`` steps, then the captured ones."""
+    batch, seq, _, warm = shape
+    captures = []
+    for r in rows:
+        if r["framework"] != "torch" or r["step_ms"] is None:
+            continue
+        spec, label = models[r["model"]], f"sft profile {r['model']:<14} {r['impl']:<10}"
+        try:
+            out = _torch_run(spec, r["impl"], _ids(spec, batch, seq), warm, settings, profiling.PROFILE_STEPS)
+        except Exception as exc:  # OOM under the profiler, ...: the timed row stands, the split is missing
+            notes[f"profile {r['model']} {r['impl']}"] = short_error(exc)
+            progress.log(f"{label} {short_error(exc)}")
+            continue
+        captures.append(dict(model=r["model"], impl=r["impl"], step_ms=r["step_ms"], **out["profile"]))
+        progress.log(f"{label} {profiling.one_line(out['profile'])}")
+    return captures
+
+
+def run(settings: Settings, progress: Progress, profile: bool = False) -> dict:
+    models = SMOKE_MODELS if settings.smoke else MODELS
+    shape = (SMOKE_BATCH, SMOKE_SEQ, SMOKE_STEPS, SMOKE_WARM) if settings.smoke else (BATCH, SEQ, STEPS, WARM)
+    batch, seq, steps, warm = shape
+    notes: dict[str, str] = {}
+    rows: list[dict] = []
+    captures: list[dict] = []
+    # All torch runs first: JAX's allocator keeps what it has taken, torch's gives it back between runs. The
+    # profiling pass right after the timed torch runs, so that the profiler cannot slow any of them.
+    for framework in ("torch", "jax"):
+        rows += _timed_runs(framework, _impls(framework, settings, profile), models, shape, settings, notes,
+                            progress)
+        if framework == "torch" and profile:
+            captures = _profile_torch(rows, models, shape, settings, notes, progress)
+    order = list(models)
+    rows.sort(key=lambda r: order.index(r["model"]))  # stable: per model, in the order run
+    captures.sort(key=lambda c: order.index(c["model"]))
     _agreement(rows)
+    _head_loss(rows)
+    for r in rows:
+        if r.get("head_loss_ms") is not None:
+            progress.log(f"sft {r['model']:<14} {r['framework']:<5} {r['impl']:<10} head+loss "
+                         f"{r['head_loss_ms']:8.2f} of {r['step_ms']:.2f} ms/step ({r['head_loss_share']:.0%})")
     m = meta(settings, batch=batch, seq=seq, steps=steps, warm_steps=warm, lr=LR, weight_decay=WEIGHT_DECAY,
-             models=models, tolerances={"step1": STEP1_RTOL, "curve": CURVE_RTOL})
-    return {"bench": "sft", "title": f"Training step, bf16, {batch}x{seq} tokens ({m['device']})", "meta": m,
-            "notes": notes, "rows": rows}
+             models=models, tolerances={"step1": STEP1_RTOL, "curve": CURVE_RTOL}, profile=profile)
+    result = {"bench": "sft", "title": f"Training step, bf16, {batch}x{seq} tokens ({m['device']})", "meta": m,
+              "notes": notes, "rows": rows}
+    if profile:
+        m["profile_steps"] = profiling.PROFILE_STEPS
+        result["profile"] = captures
+        result["sections"] = [{"title": "Profile", "markdown": profiling.markdown(rows, captures, warm)}]
+    return result

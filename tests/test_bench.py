@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = {  # the smoke runs, started together: each is mostly one busy thread
+RUNS = {  # the smoke runs, started together: each is mostly one busy thread; the first argument names the JSON
     "op": ["op", "--shape", "64,128,512"],
     "sft": ["sft", "--impl", "hf_stock,fce_torch,jax_naive"],
+    "sft_profile": ["sft", "--profile", "--impl", "hf_stock,jax_naive"],  # + body_only in torch and JAX
     "cpo": ["cpo"],
 }
 
@@ -40,7 +41,7 @@ def bench(tmp_path_factory):
         out, proc = procs[name]
         stdout, stderr = proc.communicate(timeout=170)
         assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
-        return json.loads((out / f"{name}.json").read_text()), stdout, out
+        return json.loads((out / f"{RUNS[name][0]}.json").read_text()), stdout, out
 
     yield wait
     for _, proc in procs.values():
@@ -85,6 +86,7 @@ def test_sft_smoke(bench):
     _check_rows(result, {"hf_stock", "fce_torch", "jax_naive"}, {"hf_stock", "jax_naive"})
     rows = result["rows"]
     assert {r["model"] for r in rows} == {"tiny-qwen2", "tiny-llama"}
+    assert "body_only" not in {r["impl"] for r in rows} and "profile" not in result  # only with --profile
     for r in rows:
         if r["step_ms"] is not None:
             assert len(r["losses"]) == 3 and all(5.0 < x < 8.0 for x in r["losses"])  # ~ln(1000) at init
@@ -92,6 +94,47 @@ def test_sft_smoke(bench):
             assert r["agree"] == "yes", r
     assert "hf_stock" in (out / "sft.md").read_text()
     assert "tokens/s" in stdout
+
+
+def test_sft_profile_smoke(bench):
+    from bench import profiling
+
+    result, _, out = bench("sft_profile")
+    _check_rows(result, {"hf_stock", "jax_naive", "body_only"}, {"hf_stock", "jax_naive", "body_only"})
+    rows = result["rows"]
+    bodies = {(r["model"], r["framework"]): r for r in rows if r["impl"] == "body_only"}
+    assert set(bodies) == {(m, fw) for m in ("tiny-qwen2", "tiny-llama") for fw in ("torch", "jax")}
+    for r in bodies.values():
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["note"] == "ablation" and r["agree"] is None
+    for r in rows:
+        if r["impl"] != "body_only":
+            assert r["body_ms"] == bodies[(r["model"], r["framework"])]["step_ms"]
+            assert abs(r["head_loss_ms"] - (r["step_ms"] - r["body_ms"])) < 1e-9
+    caps = {(c["model"], c["impl"]): c for c in result["profile"]}
+    assert set(caps) == {(r["model"], r["impl"]) for r in rows if r["framework"] == "torch"}
+    for c in caps.values():
+        assert set(c["ms"]) == set(profiling.CATEGORIES) and all(v >= 0 for v in c["ms"].values())
+        assert c["total_ms"] > 0 and abs(sum(c["ms"].values()) - c["total_ms"]) < 1e-6
+        assert 0 < len(c["top"]) <= profiling.TOP and all(k["category"] in profiling.CATEGORIES for k in c["top"])
+    assert caps[("tiny-qwen2", "hf_stock")]["ms"]["GEMM"] > 0  # aten::mm is found on the CPU too
+    md = (out / "sft.md").read_text()
+    assert "## Profile" in md and "### Top kernels: tiny-llama / body_only" in md and "head+loss ms" in md
+
+
+def test_category():
+    from bench.profiling import category
+
+    cases = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "GEMM", "nvjet_tst_128x256_64x4_1x2_h_bz":
+        "GEMM", "aten::addmm": "GEMM", "aten::mm": "GEMM", "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",
+        "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>": "attention",
+        "multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "_row_stats_kernel": "loss", "_dlogits_kernel": "loss", "liger_cross_entropy_kernel": "loss",
+        "cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>": "loss",
+        "nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>": "loss",
+        "vectorized_elementwise_kernel<4, FillFunctor<float>>": None, "aten::addcmul_": None, "aten::summary": None,
+    }
+    assert {name: category(name) for name in cases} == cases
 
 
 def test_cpo_smoke(bench):
