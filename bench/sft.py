@@ -11,7 +11,8 @@ JAX: the same architecture in ``bench.llama_jax`` with a plain full-logits loss 
 Per run: median step time after ``WARM`` steps (tokens/s), peak memory (torch: ``max_memory_allocated`` over
 the run, weights and optimizer included; JAX: the compiled step's arguments + outputs - aliased + temp), the
 step-1 loss and its difference to the framework's plain loss, and whether the whole loss curve agrees
-within bf16 noise (``STEP1_RTOL``, ``CURVE_RTOL``).
+within bf16 noise (``STEP1_RTOL``; ``CURVE_RTOL`` or twice the plain loss's own run-to-run difference, the
+``rerun`` column: the plain loss runs twice).
 
 ``--profile`` answers "where does the step time go". It adds, per framework that runs, an ablation row
 ``body_only`` (also selectable alone with ``--impl body_only``): the same step with the loss replaced by
@@ -65,6 +66,7 @@ COLUMNS = [
     report.Column("loss1", "loss@1", lambda v: f"{v:.4f}"),
     report.Column("d_step1", "d loss@1", report.rel),
     report.Column("d_curve", "d curve", report.rel),
+    report.Column("noise", "rerun", report.rel),
     report.Column("agree", "agree"),
     report.Column("note", "note"),
 ]
@@ -226,17 +228,29 @@ def _jax_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Se
 # --- the benchmark --------------------------------------------------------------------------------------
 
 
+def _curve_diff(a: list[float], b: list[float]) -> float | None:
+    diffs = [rel_diff(x, y) for x, y in zip(a, b)]
+    return None if not diffs or None in diffs else max(diffs)
+
+
 def _agreement(rows: list[dict]) -> None:
-    """Compare every run's loss curve with its framework's plain loss on the same model (not the ablation's)."""
+    """Compare every run's loss curve with its framework's plain loss on the same model (not the ablation's).
+
+    The plain loss ran twice; its two curves differ too (atomic adds in the GPU backward make every run's
+    bits differ, and 20 steps of training amplify that). That difference is the run-to-run noise; a curve
+    agrees when it stays within CURVE_RTOL or twice the noise, whichever is larger.
+    """
     base = {(r["model"], r["framework"]): r for r in rows if r["impl"] == PLAIN[r["framework"]] and r["losses"]}
+    for ref in base.values():
+        ref["noise"] = _curve_diff(ref.get("rerun_losses", []), ref["losses"])
     for r in rows:
         ref = base.get((r["model"], r["framework"]))
         if not r["losses"] or ref is None or ref is r or r["impl"] == ABLATION:
             continue
         r["d_step1"] = rel_diff(r["losses"][0], ref["losses"][0])
-        diffs = [rel_diff(a, b) for a, b in zip(r["losses"], ref["losses"])]
-        r["d_curve"] = None if None in diffs else max(diffs)
-        ok = r["d_curve"] is not None and r["d_step1"] <= STEP1_RTOL and r["d_curve"] <= CURVE_RTOL
+        r["d_curve"] = _curve_diff(r["losses"], ref["losses"])
+        bound = max(CURVE_RTOL, 2 * (ref["noise"] or 0.0))
+        ok = r["d_curve"] is not None and r["d_step1"] <= STEP1_RTOL and r["d_curve"] <= bound
         r["agree"] = "yes" if ok else "NO"
 
 
@@ -273,7 +287,8 @@ def _timed_runs(framework: str, impls: list[str], models: dict, shape: tuple, se
             if impl in notes:
                 continue
             row = dict(model=model, framework=framework, impl=impl, tokens=batch * seq, step_ms=None,
-                       tokens_per_s=None, peak_gib=None, loss1=None, d_step1=None, d_curve=None, agree=None,
+                       tokens_per_s=None, peak_gib=None, loss1=None, d_step1=None, d_curve=None, noise=None,
+                       agree=None,
                        note="ablation" if impl == ABLATION else "", losses=[])
             try:
                 out = runner(spec, impl, _ids(spec, batch, seq), steps, settings)
@@ -288,6 +303,8 @@ def _timed_runs(framework: str, impls: list[str], models: dict, shape: tuple, se
                 row.update(step_ms=step_ms, tokens_per_s=batch * seq / step_ms * 1e3, losses=out["losses"],
                            loss1=out["losses"][0], peak_gib=None if out["peak"] is None else out["peak"] / 2**30)
                 row["note"] = "; ".join(x for x in (row["note"], out.get("note", "")) if x)
+                if impl == PLAIN[framework]:  # the same run again: how far its own curve moves (GPU atomics)
+                    row["rerun_losses"] = runner(spec, impl, _ids(spec, batch, seq), steps, settings)["losses"]
             gc.collect()
             rows.append(row)
             progress.log(f"sft {model:<14} {framework:<5} {impl:<10} "

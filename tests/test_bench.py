@@ -92,6 +92,8 @@ def test_sft_smoke(bench):
             assert len(r["losses"]) == 3 and all(5.0 < x < 8.0 for x in r["losses"])  # ~ln(1000) at init
         if r["impl"] == "fce_torch" and r["step_ms"] is not None:
             assert r["agree"] == "yes", r
+        if r["impl"] in ("hf_stock", "jax_naive") and r["step_ms"] is not None:  # ran twice: the noise
+            assert len(r["rerun_losses"]) == 3 and r["noise"] is not None and r["noise"] < 1e-3, r
     assert "hf_stock" in (out / "sft.md").read_text()
     assert "tokens/s" in stdout
 
