@@ -83,7 +83,15 @@ def hidden_states(params: dict, ids: jax.Array, cfg: Config, attention: str | No
 
 def plain_lce(h: jax.Array, w: jax.Array, t: jax.Array) -> jax.Array:
     """Full logits in bf16, upcast to float32, mean cross-entropy (what the HF stock loss does)."""
-    logits = (h @ w.T).astype(jnp.float32)
+    return _mean_ce((h @ w.T).astype(jnp.float32), t)
+
+
+def plain_lce_f32(h: jax.Array, w: jax.Array, t: jax.Array) -> jax.Array:
+    """Full logits accumulated and kept in float32 (fce's logits precision), mean cross-entropy."""
+    return _mean_ce(jnp.dot(h, w.T, preferred_element_type=jnp.float32), t)
+
+
+def _mean_ce(logits: jax.Array, t: jax.Array) -> jax.Array:
     zy = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - zy)
 

@@ -6,7 +6,9 @@ random batch, forward + backward + ``torch.optim.AdamW`` for ``STEPS`` steps, ea
 - ``liger``:     the decoder's hidden states into ``LigerForCausalLMLoss``, the call Liger's patched
                  ``forward`` makes (done directly, so no class is monkey-patched for the runs after it);
 - ``fce_torch``: the model patched by ``fce_torch.hf.patch(model)``, then ``model(input_ids, labels=...)``.
-JAX: the same architecture in ``bench.llama_jax`` with a plain full-logits loss (``jax_naive``) vs ``fce_jax``.
+JAX: the same architecture in ``bench.llama_jax`` with a plain full-logits loss (``jax_naive``: bf16 logits,
+as HF does; ``jax_f32_logits``: float32 logits, the precision fce keeps, to tell a logits-precision drift of
+the curve from an error) vs ``fce_jax``.
 
 Per run: median step time after ``WARM`` steps (tokens/s), peak memory (torch: ``max_memory_allocated`` over
 the run, weights and optimizer included; JAX: the compiled step's arguments + outputs - aliased + temp), the
@@ -128,7 +130,7 @@ def _body(model):
 
 
 TORCH = {"hf_stock": _stock, "liger": _liger, "fce_torch": _fce}
-JAX = ("jax_naive", "fce_jax")
+JAX = ("jax_naive", "jax_f32_logits", "fce_jax")
 
 
 def _torch_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Settings,
@@ -186,7 +188,7 @@ def _jax_loss(cfg, impl: str, attention: str):
         except Exception as exc:
             raise Unavailable(f"fce_jax.fused_lce not importable ({type(exc).__name__}: {exc})") from None
     else:
-        lce = llama_jax.plain_lce
+        lce = llama_jax.plain_lce_f32 if impl == "jax_f32_logits" else llama_jax.plain_lce
     return llama_jax.lm_loss(cfg, lce, attention)
 
 
