@@ -93,7 +93,8 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
         return_stats: also return a dict with ``lse`` (float32, shape of targets), ``z_loss`` (the z-loss part
             of the loss, reduced the same way) and ``accuracy`` (fraction of valid rows whose first argmax is
             the target; per-row 0/1 for "none"). The stats carry no gradient.
-        chunk_rows: rows per chunk (default: float32 logits of one chunk take at most 1 GiB).
+        chunk_rows: rows per chunk (default: float32 logits of one chunk take at most 1 GiB, or 512 MiB when
+            every chunk's dZ is kept: see ``chunking.plan``).
 
     Returns:
         The float32 loss (scalar, or ``targets.shape`` for "none"), and the stats dict when requested.

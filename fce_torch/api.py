@@ -103,7 +103,8 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
             the target; per-row 0/1 for "none").
         validate: check targets are in range and class weights non-negative (one host synchronization);
             pass False under CUDA graphs. Out-of-range targets then give undefined results.
-        chunk_rows: rows per chunk (default: float32 logits of one chunk take at most 1 GiB).
+        chunk_rows: rows per chunk (default: float32 logits of one chunk take at most 1 GiB, or 512 MiB when
+            every chunk's dZ is kept: see ``chunking.plan``).
 
     Returns:
         The float32 loss (scalar, or ``targets.shape`` for "none"), and the stats dict when requested.
