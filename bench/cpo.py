@@ -2,9 +2,10 @@
 
 ``x: [2B, T, H]`` (B chosen then B rejected sequences), ``weight: [V, H]``, targets with the first quarter of
 every sequence ignored (the prompt). Implementations: ``fce_torch`` / ``fce_jax`` ``fused_cpo_loss``, Liger's
-``LigerFusedLinearCPOLoss`` (torch.compile'd chunks), and TRL's ``CPOTrainer`` loss on full float32 logits in
-torch and in JAX. ``xLiger`` is the time ratio to Liger; ``dloss`` the loss's relative difference from the TRL
-loss of the same framework on the same inputs.
+``LigerFusedLinearCPOLoss`` (torch.compile'd chunks), and TRL's ``CPOTrainer`` loss on full bf16 logits
+upcast to float32, in torch and in JAX. ``xLiger`` is the time ratio to Liger; ``dloss`` the loss's relative
+difference from the TRL loss of the same framework on the same inputs (mostly the TRL loss's own bf16-logits
+error: fce keeps the logits in float32).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def liger_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
 
 
 def trl_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
-    """TRL's ``CPOTrainer`` (loss_type="sigmoid", cpo_alpha=alpha) on full float32 logits."""
+    """TRL's ``CPOTrainer`` (loss_type="sigmoid", cpo_alpha=alpha) on full logits (bf16, upcast to float32)."""
 
     def loss(x, w, t):
         logits = F.linear(x, w).float()  # [2B, T, V]

@@ -1,7 +1,7 @@
 """The three GEMMs: float32 accumulation from the input dtype, rounded once. Twin: fce_torch/gemm.py.
 
-16-bit operands stay 16-bit (`preferred_element_type` sets the float32 accumulator); float32 operands run at
-`Precision.HIGHEST` (IEEE float32, no TF32).
+16-bit operands stay 16-bit (float32 accumulation; `preferred_element_type` is float32 for a float32 result and
+the operands' dtype for a 16-bit one); float32 operands run at `Precision.HIGHEST` (IEEE float32, no TF32).
 """
 import jax.numpy as jnp
 from jax import lax
@@ -13,7 +13,10 @@ def mm(a, b, out_dtype, *, a_t=False, b_t=False):
     """op(a) @ op(b) (op = transpose where asked), accumulated in float32, rounded once to out_dtype."""
     dims = (((0,) if a_t else (1,), (1,) if b_t else (0,)), ((), ()))
     precision = lax.Precision.HIGHEST if a.dtype == F32 else None
-    out = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+    # A 16-bit result comes out of the GEMM itself (float32 accumulation, one rounding in its epilogue, as
+    # cuBLAS does for fce_torch): as a float32 dot and a cast, XLA may keep the float32 [M, N] in memory.
+    acc = out_dtype if a.dtype == out_dtype != F32 else F32
+    out = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
     return out.astype(out_dtype)
 
 
