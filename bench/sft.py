@@ -238,8 +238,8 @@ def _curve_diff(a: list[float], b: list[float]) -> float | None:
 def _agreement(rows: list[dict]) -> None:
     """Compare every run's loss curve with its framework's plain loss on the same model (not the ablation's).
 
-    The plain loss ran twice; its two curves differ too (atomic adds in the GPU backward make every run's
-    bits differ, and 20 steps of training amplify that). That difference is the run-to-run noise; a curve
+    The plain loss ran twice; its two curves differ too (the GPU runs are not bitwise repeatable, and 20 steps
+    of training amplify that). That difference is the run-to-run noise; a curve
     agrees when it stays within CURVE_RTOL or twice the noise, whichever is larger.
     """
     base = {(r["model"], r["framework"]): r for r in rows if r["impl"] == PLAIN[r["framework"]] and r["losses"]}
@@ -305,7 +305,7 @@ def _timed_runs(framework: str, impls: list[str], models: dict, shape: tuple, se
                 row.update(step_ms=step_ms, tokens_per_s=batch * seq / step_ms * 1e3, losses=out["losses"],
                            loss1=out["losses"][0], peak_gib=None if out["peak"] is None else out["peak"] / 2**30)
                 row["note"] = "; ".join(x for x in (row["note"], out.get("note", "")) if x)
-                if impl == PLAIN[framework]:  # the same run again: how far its own curve moves (GPU atomics)
+                if impl == PLAIN[framework]:  # the same run again: how far its own curve moves
                     row["rerun_losses"] = runner(spec, impl, _ids(spec, batch, seq), steps, settings)["losses"]
             gc.collect()
             rows.append(row)
