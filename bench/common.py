@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import math
 import sys
@@ -14,6 +15,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 class Unavailable(Exception):
     """An implementation that cannot run here (package missing, needs a GPU); the message is the note."""
+
+
+def guarded_import(module: str, name: str):
+    """``module.name``, or ``Unavailable`` saying why not: the module is missing or broken, or lacks the name."""
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # not installed, or broken: skip with the reason
+        raise Unavailable(f"{module} not importable ({type(exc).__name__}: {exc})") from None
+    if not hasattr(mod, name):
+        raise Unavailable(f"{module} has no {name}")
+    return getattr(mod, name)
 
 
 @dataclasses.dataclass

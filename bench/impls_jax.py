@@ -12,21 +12,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from bench.common import Settings, Unavailable
+from bench.common import Settings, Unavailable, guarded_import
 
 IGNORE = -100
 Loss = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-def _fce_jax(attr: str):
-    try:
-        import fce_jax
-    except Exception as exc:  # not written yet, or broken: skip with the reason
-        raise Unavailable(f"fce_jax not importable ({type(exc).__name__}: {exc})") from None
-    fn = getattr(fce_jax, attr, None)
-    if fn is None:
-        raise Unavailable(f"fce_jax has no {attr} yet")
-    return fn
 
 
 def _token_logps(x: jax.Array, w: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -42,7 +31,7 @@ def _token_logps(x: jax.Array, w: jax.Array, t: jax.Array) -> tuple[jax.Array, j
 
 
 def fce(settings: Settings) -> Loss:
-    fused_lce = _fce_jax("fused_lce")
+    fused_lce = guarded_import("fce_jax", "fused_lce")
     return lambda x, w, t: fused_lce(x, w, t)
 
 
@@ -81,7 +70,7 @@ def loss_only(loss: Loss) -> Callable:
 
 
 def fce_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
-    fused_cpo_loss = _fce_jax("fused_cpo_loss")
+    fused_cpo_loss = guarded_import("fce_jax", "fused_cpo_loss")
     return lambda x, w, t: fused_cpo_loss(x, w, t, beta=beta, alpha=alpha)
 
 

@@ -14,36 +14,23 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.common import Settings, Unavailable
+from bench.common import Settings, Unavailable, guarded_import
 
 IGNORE = -100
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _fce_torch(attr: str):
-    try:
-        import fce_torch
-    except Exception as exc:  # not written yet, or broken: skip with the reason
-        raise Unavailable(f"fce_torch not importable ({type(exc).__name__}: {exc})") from None
-    fn = getattr(fce_torch, attr, None)
-    if fn is None:
-        raise Unavailable(f"fce_torch has no {attr} yet")
-    return fn
 
 
 # --- fused linear cross-entropy -------------------------------------------------------------------------
 
 
 def fce(settings: Settings) -> Loss:
-    fused_lce = _fce_torch("fused_lce")
+    fused_lce = guarded_import("fce_torch", "fused_lce")
     return lambda x, w, t: fused_lce(x, w, t)
 
 
 def liger(settings: Settings, accum_fp32: bool = False) -> Loss:
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except Exception as exc:
-        raise Unavailable(f"liger_kernel not importable ({exc})") from None
+    LigerFusedLinearCrossEntropyLoss = guarded_import("liger_kernel.transformers",
+                                                      "LigerFusedLinearCrossEntropyLoss")
     mod = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32 if accum_fp32 else None)
     return lambda x, w, t: mod(w, x, t)
 
@@ -51,10 +38,7 @@ def liger(settings: Settings, accum_fp32: bool = False) -> Loss:
 def cce(settings: Settings, filter_eps: float | str | None = "auto") -> Loss:
     if not settings.gpu:
         raise Unavailable("Cut Cross-Entropy needs a CUDA GPU")
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except Exception as exc:
-        raise Unavailable(f"cut_cross_entropy not importable ({exc})") from None
+    linear_cross_entropy = guarded_import("cut_cross_entropy", "linear_cross_entropy")
     return lambda x, w, t: linear_cross_entropy(x, w, t, filter_eps=filter_eps)
 
 
@@ -117,15 +101,12 @@ def logits_gemm(x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor) -> None:
 
 
 def fce_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
-    fused_cpo_loss = _fce_torch("fused_cpo_loss")
+    fused_cpo_loss = guarded_import("fce_torch", "fused_cpo_loss")
     return lambda x, w, t: fused_cpo_loss(x, w, t, beta=beta, alpha=alpha)
 
 
 def liger_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearCPOLoss
-    except Exception as exc:
-        raise Unavailable(f"liger_kernel not importable ({exc})") from None
+    LigerFusedLinearCPOLoss = guarded_import("liger_kernel.chunked_loss", "LigerFusedLinearCPOLoss")
     # torch.compile'd chunks on the GPU (Liger's default); plain torch on the CPU.
     mod = LigerFusedLinearCPOLoss(beta=beta, alpha=alpha, compiled=settings.gpu)
     return lambda x, w, t: mod(w, x, t)[0]  # (loss, aux outputs)

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from bench import profiling, report
-from bench.common import Progress, Settings, Unavailable, meta, rel_diff, short_error
+from bench.common import Progress, Settings, Unavailable, guarded_import, meta, rel_diff, short_error
 from bench.timing import Stopwatch, free_torch_cache
 
 MODELS = {
@@ -100,10 +100,7 @@ def _stock(model):
 
 
 def _liger(model):
-    try:
-        from liger_kernel.transformers.model.loss_utils import LigerForCausalLMLoss
-    except Exception as exc:
-        raise Unavailable(f"liger_kernel not importable ({exc})") from None
+    LigerForCausalLMLoss = guarded_import("liger_kernel.transformers.model.loss_utils", "LigerForCausalLMLoss")
     hidden = model.config.hidden_size
 
     def loss(ids):
@@ -114,13 +111,7 @@ def _liger(model):
 
 
 def _fce(model):
-    try:
-        from fce_torch import hf
-    except Exception as exc:
-        raise Unavailable(f"fce_torch.hf not importable ({type(exc).__name__}: {exc})") from None
-    if not hasattr(hf, "patch"):
-        raise Unavailable("fce_torch.hf has no patch(model) yet")
-    hf.patch(model)  # in place: this instance's forward only
+    guarded_import("fce_torch.hf", "patch")(model)  # in place: this instance's forward only
     return lambda ids: model(input_ids=ids, labels=ids).loss
 
 
@@ -183,10 +174,7 @@ def _jax_loss(cfg, impl: str, attention: str):
         return lambda params, ids: jnp.mean(jnp.square(
             llama_jax.hidden_states(params, ids, cfg, attention).astype(jnp.float32)))
     if impl == "fce_jax":
-        try:
-            from fce_jax import fused_lce as lce
-        except Exception as exc:
-            raise Unavailable(f"fce_jax.fused_lce not importable ({type(exc).__name__}: {exc})") from None
+        lce = guarded_import("fce_jax", "fused_lce")
     else:
         lce = llama_jax.plain_lce_f32 if impl == "jax_f32_logits" else llama_jax.plain_lce
     return llama_jax.lm_loss(cfg, lce, attention)
