@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parity.cases import Case, small_cases
+from parity.cases import IGNORE_INDEX, Case, small_cases
 from parity.reference import as_float64, flce_reference, rel_err
 
 # SPEC "Accuracy": (loss relative error, gradient relative-norm error). float16 takes the bfloat16 bounds.
@@ -83,6 +83,24 @@ def reference_for_case(case: Case, inputs: dict, grad_output=None) -> dict:
     """``flce_reference`` on the tensors of ``make_inputs(case)`` with the case's options."""
     return flce_reference(inputs["x"], inputs["weight"], inputs["targets"], bias=inputs["bias"],
                           class_weights=inputs["class_weights"], grad_output=grad_output, **case.options())
+
+
+def check_case(case: Case, inp: dict, out: dict, *, ignore_index=IGNORE_INDEX, grad_output=None, **ref_kw) -> dict:
+    """A twin's run (``torch_run``'s or ``jax_run``'s dict) on ``inp`` (``make_inputs``' tensors) against the
+    float64 reference of the same inputs and the case's options (``ref_kw`` overrides them); lse on valid rows."""
+    ref = flce_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
+                         class_weights=inp["class_weights"], ignore_index=ignore_index, grad_output=grad_output,
+                         **{**case.options(), **ref_kw})
+    out, ref = restrict_lse(out, ref, inp["targets"], ignore_index)
+    return assert_close_to_reference(out, ref, case.dtype)
+
+
+def targets_avoiding(n, v, avoid, g):
+    """n random targets in [0, v) (torch generator g), none of them equal to ``avoid``."""
+    import torch
+
+    t = torch.randint(0, v, (n,), generator=g)
+    return torch.where(t == avoid, (avoid + 1) % v, t)
 
 
 def parametrize_cases(cases=None):

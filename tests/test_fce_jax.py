@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from fce_jax import fused_lce
-from helpers import (assert_close_to_reference, assert_twins_agree, case_chunk_rows, case_result,
-                     dtype_name_or_str, jax_run, reference_for_case, restrict_lse, to_jax, tolerances, valid_rows)
+from helpers import (assert_close_to_reference, assert_twins_agree, case_chunk_rows, case_result, check_case,
+                     dtype_name_or_str, jax_run, reference_for_case, restrict_lse, targets_avoiding, to_jax,
+                     tolerances, valid_rows)
 from parity.cases import IGNORE_INDEX, Case, make_inputs, small_cases
 from parity.reference import as_float64, flce_reference, rel_err
 
@@ -30,16 +31,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 OPT_CHUNK = None
 
 
-def _check_case(case: Case, inp: dict, out: dict, *, ignore_index=IGNORE_INDEX, grad_output=None, **ref_kw):
-    """out (jax_run's dict) against the float64 reference of the same inputs (torch tensors) and options."""
-    opts = {**case.options(), **ref_kw}
-    ref = flce_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
-                         class_weights=inp["class_weights"], ignore_index=ignore_index, grad_output=grad_output,
-                         **opts)
-    out, ref = restrict_lse(out, ref, inp["targets"], ignore_index)
-    return assert_close_to_reference(out, ref, case.dtype)
-
-
 def _check_dtypes(out: dict, case: Case):
     dt = DTYPES[case.dtype]
     assert out["loss"].dtype == jnp.float32
@@ -47,11 +38,6 @@ def _check_dtypes(out: dict, case: Case):
     assert out["dx"].dtype == dt and out["dw"].dtype == dt
     if case.bias:
         assert out["db"].dtype == dt
-
-
-def _targets_avoiding(n, v, avoid, g):
-    t = torch.randint(0, v, (n,), generator=g)
-    return torch.where(t == avoid, (avoid + 1) % v, t)
 
 
 def _arrays(inp):
@@ -81,7 +67,7 @@ def test_reductions_with_bias(reduction):
     inp = make_inputs(case)
     out = jax_run(fused_lce, inp, case.options(), chunk_rows=8)
     _check_dtypes(out, case)
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -90,11 +76,11 @@ def test_custom_ignore_index(reduction):
     case = Case("ign7", (29,), 16, 130, "float32", bias=True, reduction=reduction, seed=22)
     inp = make_inputs(case)
     g = torch.Generator().manual_seed(22)
-    t = _targets_avoiding(29, 130, 7, g)
+    t = targets_avoiding(29, 130, 7, g)
     t[[0, 5, 6, 20]] = 7
     inp["targets"] = t
     out = jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK, ignore_index=7)
-    _check_case(case, inp, out, ignore_index=7)
+    check_case(case, inp, out, ignore_index=7)
     if reduction == "none":
         assert np.all(np.asarray(out["loss"])[[0, 5, 6, 20]] == 0)
         assert np.all(np.asarray(out["dx"])[[0, 5, 6, 20]] == 0)
@@ -106,7 +92,7 @@ def test_label_smoothing(eps, weighted, reduction):
     case = Case("ls", (21,), 32, 777, "float32", label_smoothing=eps, class_weights=weighted, reduction=reduction,
                 logit_scale=4.0, seed=23)
     inp = make_inputs(case)
-    _check_case(case, inp, jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK))
+    check_case(case, inp, jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -114,7 +100,7 @@ def test_z_loss(reduction):
     case = Case("zl", (19,), 32, 777, "float32", z_loss=1e-2, reduction=reduction, logit_scale=5.0, seed=24)
     inp = make_inputs(case)
     out = jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK)
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
     assert np.max(np.asarray(out["z_loss"])) > 0
 
 
@@ -122,7 +108,7 @@ def test_z_loss(reduction):
 def test_softcap(softcap):
     case = Case("cap", (17,), 32, 1000, "float32", bias=True, softcap=softcap, logit_scale=30.0, seed=25)
     inp = make_inputs(case)
-    _check_case(case, inp, jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK))
+    check_case(case, inp, jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -134,7 +120,7 @@ def test_class_weights_with_zeros(reduction):
     cw = inp["class_weights"].clone()
     cw[t[valid_rows(t)][:3]] = 0.0
     inp["class_weights"] = cw
-    _check_case(case, inp, jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK))
+    check_case(case, inp, jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK))
 
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
@@ -149,7 +135,7 @@ def test_class_weights_zero_on_every_target(z_loss):
     out = jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK)
     for k in ("loss", "dx", "dw"):
         assert np.isfinite(np.asarray(out[k])).all(), k
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
     if z_loss == 0.0:
         assert float(out["loss"]) == 0.0
         assert np.all(np.asarray(out["dx"]) == 0) and np.all(np.asarray(out["dw"]) == 0)
@@ -165,7 +151,7 @@ def test_dtypes_and_rank(dtype, lead):
     out = jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK)
     _check_dtypes(out, case)
     assert out["lse"].shape == lead and out["dx"].shape == inp["x"].shape
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("tdtype", [jnp.int32, jnp.int16, jnp.uint8], ids=["int32", "int16", "uint8"])
@@ -176,7 +162,7 @@ def test_integer_target_dtypes(tdtype):
     t = a["targets"].astype(tdtype)
     f = jax.jit(jax.value_and_grad(lambda x, w: fused_lce(x, w, t, chunk_rows=OPT_CHUNK), argnums=(0, 1)))
     loss, (dx, dw) = f(a["x"], a["weight"])
-    _check_case(case, inp, {"loss": loss, "dx": dx, "dw": dw})
+    check_case(case, inp, {"loss": loss, "dx": dx, "dw": dw})
     if tdtype == jnp.int16:   # concrete targets of a small integer dtype pass the eager range check too
         assert float(fused_lce(a["x"], a["weight"], t)) == pytest.approx(float(loss), rel=1e-6)
 
@@ -194,7 +180,7 @@ def test_strided_inputs():
         return fused_lce(x, w, t_t, bias=a["bias"], chunk_rows=OPT_CHUNK)
 
     loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x_t, w_t)
-    _check_case(case, inp, {"loss": loss, "dx": dx, "dw": dw})
+    check_case(case, inp, {"loss": loss, "dx": dx, "dw": dw})
 
 
 def test_bias_dtype_differs():
@@ -204,7 +190,7 @@ def test_bias_dtype_differs():
     inp["bias"] = (torch.randn(777, generator=torch.Generator().manual_seed(45)) * 0.3).float()
     out = jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK)
     assert out["db"].dtype == jnp.float32 and out["dx"].dtype == jnp.bfloat16
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("wrt", ["x", "weight"])
@@ -341,7 +327,7 @@ def test_all_rows_ignored(reduction):
     for k in ("loss", "z_loss", "accuracy", "dx", "dw", "db"):
         assert np.all(np.asarray(out[k]) == 0), f"{k} = {out[k]}"
     assert out["loss"].shape == (() if reduction != "none" else (2, 9))
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -404,7 +390,7 @@ def test_huge_logits_finite_and_accurate(dtype, reduction):
     out = jax_run(fused_lce, inp, case.options(), chunk_rows=OPT_CHUNK)
     for k in ("loss", "lse", "dx", "dw", "db"):
         assert np.isfinite(np.asarray(out[k], np.float32)).all(), k
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 # ============================================================================ 6/7. transformations
@@ -467,7 +453,7 @@ def test_loss_only_path(reduction):
     grad_shapes = _dot_output_shapes(str(jax.make_jaxpr(jax.grad(lambda *a: total(*a)[0], argnums=(0, 1, 2)))(*xs)))
     assert any(s[-1] == 32 for s in grad_shapes), grad_shapes     # the differentiated program does have them
     out = {"loss": loss_p, "lse": stats_p["lse"], "z_loss": stats_p["z_loss"], "accuracy": stats_p["accuracy"]}
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("dtype,reduction", [("float32", "mean"), ("bfloat16", "none")])
@@ -501,7 +487,7 @@ def test_none_reduction_random_grad_output(case_name):
     inp = make_inputs(case)
     g = torch.randn(case.shape, generator=torch.Generator().manual_seed(37))
     out = jax_run(fused_lce, inp, case.options(), chunk_rows=4, grad_output=g)
-    _check_case(case, inp, out, grad_output=g)
+    check_case(case, inp, out, grad_output=g)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -521,7 +507,7 @@ def test_repeated_backward_no_compounding(reduction):
     for p, q in zip(first, second):
         assert p.dtype == q.dtype and np.array_equal(np.asarray(p), np.asarray(q))
     out = {"loss": loss, "dx": first[0], "dw": first[1], "db": first[2]}
-    _check_case(case, inp, out, grad_output=2.5)
+    check_case(case, inp, out, grad_output=2.5)
 
 
 def test_autocast_bf16():

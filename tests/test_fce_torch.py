@@ -18,20 +18,10 @@ import fce_torch
 import fce_torch.engine
 import fce_torch.gemm
 from fce_torch import FusedLinearCrossEntropyLoss, fused_lce
-from helpers import (assert_close_to_reference, assert_twins_agree, case_chunk_rows, case_result,
-                     reference_for_case, restrict_lse, tolerances, torch_run, valid_rows)
+from helpers import (assert_close_to_reference, assert_twins_agree, case_chunk_rows, case_result, check_case,
+                     reference_for_case, restrict_lse, targets_avoiding, tolerances, torch_run, valid_rows)
 from parity.cases import IGNORE_INDEX, Case, make_inputs, small_cases
 from parity.reference import as_float64, flce_reference, rel_err
-
-
-def _check_case(case: Case, inp: dict, out: dict, *, ignore_index=IGNORE_INDEX, grad_output=None, **ref_kw):
-    """out (torch_run's dict) against the float64 reference of the same inputs and options."""
-    opts = {**case.options(), **ref_kw}
-    ref = flce_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
-                         class_weights=inp["class_weights"], ignore_index=ignore_index, grad_output=grad_output,
-                         **opts)
-    out, ref = restrict_lse(out, ref, inp["targets"], ignore_index)
-    return assert_close_to_reference(out, ref, case.dtype)
 
 
 def _check_dtypes(out: dict, inp: dict):
@@ -41,11 +31,6 @@ def _check_dtypes(out: dict, inp: dict):
     assert out["dw"].dtype == inp["weight"].dtype and out["dw"].shape == inp["weight"].shape
     if inp["bias"] is not None:
         assert out["db"].dtype == inp["bias"].dtype and out["db"].shape == inp["bias"].shape
-
-
-def _targets_avoiding(n, v, avoid, g):
-    t = torch.randint(0, v, (n,), generator=g)
-    return torch.where(t == avoid, (avoid + 1) % v, t)
 
 
 # ============================================================================ 1. every small case
@@ -71,7 +56,7 @@ def test_reductions_with_bias(reduction):
     inp = make_inputs(case)
     out = torch_run(fused_lce, inp, case.options(), chunk_rows=8)
     _check_dtypes(out, inp)
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -80,11 +65,11 @@ def test_custom_ignore_index(reduction):
     case = Case("ign7", (29,), 16, 130, "float32", bias=True, reduction=reduction, seed=22)
     inp = make_inputs(case)
     g = torch.Generator().manual_seed(22)
-    t = _targets_avoiding(29, 130, 7, g)
+    t = targets_avoiding(29, 130, 7, g)
     t[[0, 5, 6, 20]] = 7
     inp["targets"] = t
     out = torch_run(fused_lce, inp, case.options(), chunk_rows=8, ignore_index=7)
-    _check_case(case, inp, out, ignore_index=7)
+    check_case(case, inp, out, ignore_index=7)
     if reduction == "none":
         assert torch.all(out["loss"][[0, 5, 6, 20]] == 0)
         assert torch.all(out["dx"][[0, 5, 6, 20]] == 0)
@@ -96,7 +81,7 @@ def test_label_smoothing(eps, weighted, reduction):
     case = Case("ls", (21,), 32, 777, "float32", label_smoothing=eps, class_weights=weighted, reduction=reduction,
                 logit_scale=4.0, seed=23)
     inp = make_inputs(case)
-    _check_case(case, inp, torch_run(fused_lce, inp, case.options(), chunk_rows=16))
+    check_case(case, inp, torch_run(fused_lce, inp, case.options(), chunk_rows=16))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -104,7 +89,7 @@ def test_z_loss(reduction):
     case = Case("zl", (19,), 32, 777, "float32", z_loss=1e-2, reduction=reduction, logit_scale=5.0, seed=24)
     inp = make_inputs(case)
     out = torch_run(fused_lce, inp, case.options(), chunk_rows=8)
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
     assert torch.all(out["z_loss"] > 0) if reduction != "none" else out["z_loss"].max() > 0
 
 
@@ -112,7 +97,7 @@ def test_z_loss(reduction):
 def test_softcap(softcap):
     case = Case("cap", (17,), 32, 1000, "float32", bias=True, softcap=softcap, logit_scale=30.0, seed=25)
     inp = make_inputs(case)
-    _check_case(case, inp, torch_run(fused_lce, inp, case.options(), chunk_rows=8))
+    check_case(case, inp, torch_run(fused_lce, inp, case.options(), chunk_rows=8))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -124,7 +109,7 @@ def test_class_weights_with_zeros(reduction):
     cw = inp["class_weights"].clone()
     cw[t[valid_rows(t)][:3]] = 0.0
     inp["class_weights"] = cw
-    _check_case(case, inp, torch_run(fused_lce, inp, case.options(), chunk_rows=8))
+    check_case(case, inp, torch_run(fused_lce, inp, case.options(), chunk_rows=8))
 
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
@@ -138,7 +123,7 @@ def test_class_weights_zero_on_every_target(z_loss):
     inp["class_weights"] = cw
     out = torch_run(fused_lce, inp, case.options(), chunk_rows=8)
     assert torch.isfinite(out["loss"]) and torch.isfinite(out["dx"]).all() and torch.isfinite(out["dw"]).all()
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
     if z_loss == 0.0:
         assert out["loss"].item() == 0.0
         assert torch.all(out["dx"] == 0) and torch.all(out["dw"] == 0)
@@ -154,7 +139,7 @@ def test_dtypes_and_rank(dtype, lead):
     out = torch_run(fused_lce, inp, case.options(), chunk_rows=8)
     _check_dtypes(out, inp)
     assert out["lse"].shape == lead
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("tdtype", [torch.int32, torch.int16, torch.uint8])
@@ -164,7 +149,7 @@ def test_integer_target_dtypes(tdtype):
     ref_inp = dict(inp)
     inp = dict(inp, targets=inp["targets"].to(tdtype))
     out = torch_run(fused_lce, inp, case.options(), chunk_rows=8)
-    _check_case(case, ref_inp, out)
+    check_case(case, ref_inp, out)
 
 
 def test_strided_inputs():
@@ -178,7 +163,7 @@ def test_strided_inputs():
     loss = fused_lce(x_t, w_t, t_t, bias=inp["bias"], chunk_rows=8)
     loss.backward()
     out = {"loss": loss.detach(), "dx": x_t.grad, "dw": w_t.grad}
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 def test_bias_dtype_differs():
@@ -188,7 +173,7 @@ def test_bias_dtype_differs():
     inp["bias"] = (torch.randn(777, generator=torch.Generator().manual_seed(45)) * 0.3).float()
     out = torch_run(fused_lce, inp, case.options(), chunk_rows=8)
     assert out["db"].dtype == torch.float32 and out["dx"].dtype == torch.bfloat16
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("wrt", ["x", "weight"])
@@ -308,7 +293,7 @@ def test_all_rows_ignored(reduction):
     for k in ("loss", "z_loss", "accuracy", "dx", "dw", "db"):
         assert torch.all(out[k] == 0), f"{k} = {out[k]}"
     assert out["loss"].shape == (() if reduction != "none" else (2, 9))
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -366,7 +351,7 @@ def test_huge_logits_finite_and_accurate(dtype, reduction):
     out = torch_run(fused_lce, inp, case.options(), chunk_rows=8)
     for k in ("loss", "lse", "dx", "dw", "db"):
         assert torch.isfinite(out[k]).all(), k
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 # ============================================================================ 6. autograd
@@ -409,7 +394,7 @@ def test_loss_only_path(reduction, monkeypatch):
     assert loss_p.grad_fn is None and len(calls) == math.ceil(37 / 8)
     assert torch.equal(loss_p, loss_g.detach())
     out = {"loss": loss_n, "lse": stats_n["lse"], "z_loss": stats_n["z_loss"], "accuracy": stats_n["accuracy"]}
-    _check_case(case, inp, out)
+    check_case(case, inp, out)
 
 
 def test_no_logits_buffer_materialized(monkeypatch):
@@ -436,7 +421,7 @@ def test_no_logits_buffer_materialized(monkeypatch):
         sizes.clear()
         out = torch_run(fused_lce, inp, case.options(), chunk_rows=nc)
         assert sizes and max(sizes) <= max(nc * v, v * h, n * h) < n * v, (reduction, max(sizes))
-        _check_case(case, inp, out)
+        check_case(case, inp, out)
 
 
 @pytest.mark.parametrize("case_name", ["none_3d", "all_options_none_f16"])
@@ -445,7 +430,7 @@ def test_none_reduction_random_grad_output(case_name):
     inp = make_inputs(case)
     g = torch.randn(case.shape, generator=torch.Generator().manual_seed(37))
     out = torch_run(fused_lce, inp, case.options(), chunk_rows=4, grad_output=g)
-    _check_case(case, inp, out, grad_output=g)
+    check_case(case, inp, out, grad_output=g)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -472,7 +457,7 @@ def test_repeated_backward_no_compounding(reduction):
     for t, a in zip(leaves, first):
         assert torch.equal(t.grad, a + a)
     out = {"loss": loss.detach(), "dx": first[0], "dw": first[1], "db": first[2]}
-    _check_case(case, inp, out, grad_output=2.5)
+    check_case(case, inp, out, grad_output=2.5)
 
 
 def test_autocast_bf16():
@@ -561,7 +546,7 @@ def test_liger_module_matches_liger(config):
     x0 = torch.randn(n, h, generator=g)
     w0 = torch.randn(v, h, generator=g) * (3.0 / math.sqrt(h))
     b0 = torch.randn(v, generator=g) * 0.3 if with_bias else None
-    t = _targets_avoiding(n, v, 7, g)
+    t = targets_avoiding(n, v, 7, g)
     t[[1, 10, 11]] = ignore_index
     g_out = torch.randn(n, generator=g) if kw.get("reduction") == "none" else None
     outs = {}
@@ -656,8 +641,6 @@ def test_chunk_plan():
 
     from fce_jax import chunking as jax_chunking
     from fce_torch.chunking import plan
-    from helpers import case_chunk_rows
-    from parity.cases import small_cases
 
     assert plan(4096, 4096, 128256, 2, True) == (1024, True)  # 2 chunks of 1 GiB -> 4 of 512 MiB, dZ kept
     assert plan(4096, 4096, 128256, 2, False) == (2048, False)
