@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from . import fastmath as fm
 from .api import check_tensors, check_values
-from .chunking import plan
+from .chunking import layout, plan
 from .engine import NONE, Options, flce_head, pairwise_sum, precomputed_grad, sweep
 from .fastmath import LN2, LOG2E
 from .pallas_call import call, interpret_mode
@@ -178,9 +178,10 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
     """`precomputed_grad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). `n_chosen`
     counts the valid chosen tokens.
 
-    When every chunk's dZ is kept (chunking.plan's store), chunks cut the rows anywhere: the head gives unit
-    coefficients, and the pairs' scale comes once all rows are in. Otherwise chunks hold whole pairs (the rows
-    permuted chunk by chunk) and the head gives the final coefficients.
+    When every chunk's dZ is kept (chunking.plan's store), chunks cut the rows anywhere, so the engine skips
+    the ignored rows (`sweep`'s skip_ignored): the head gives unit coefficients, and the pairs' scale comes once
+    all rows are in. Otherwise chunks hold whole pairs (the rows permuted chunk by chunk, every row computed)
+    and the head gives the final coefficients.
     """
     vocab = w.shape[0]
     seq_len = cfg["seq_len"]
@@ -189,8 +190,9 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
     scalars = jnp.stack([jnp.asarray(n_pairs, F32), n_chosen, jnp.asarray(vocab, F32)])
     opt = Options(ignore_index=cfg["ignore_index"])
     nc, store = plan(y.shape[0], x.shape[1], vocab, x.dtype.itemsize, grads[1], chunk_rows)
-    order = None
+    order, skip = None, False
     if store:
+        skip = True
         head = functools.partial(_token_rows, cfg=cfg, scalars=scalars, vocab=vocab)
         finish = functools.partial(_finish_pairs, y=y, cfg=cfg, scalars=scalars)
     else:
@@ -203,6 +205,7 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
         order = np.asarray(order)
         x, y = x.reshape(seqs)[order].reshape(x.shape), y.reshape(seqs[:2])[order].reshape(y.shape)
     out, dx, dw, db = sweep(x, w, bias, None, opt, head, {"y": y}, grads=grads, chunking=(nc, store),
+                            skip_ignored=skip,
                             finish=finish)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
@@ -221,13 +224,15 @@ def _unpermute(t, order, seqs):
 
 def pair_chunks(n_pairs, seq_len, rows):
     """(pairs per chunk, sequence permutation or None): whole pairs in chunks of at most `rows` rows (at least
-    one pair), the sequences ordered chunk by chunk (its chosen sequences, then its rejected ones)."""
+    one pair), placed as the engine places chunks (`chunking.layout`: the remainder first), the sequences
+    ordered chunk by chunk (its chosen sequences, then its rejected ones)."""
     per_chunk = max(1, rows // (2 * seq_len))
     if per_chunk >= n_pairs:
         return n_pairs, None
+    first, n_chunks = layout(n_pairs, per_chunk)
     order = []
-    for p0 in range(0, n_pairs, per_chunk):
-        p1 = min(n_pairs, p0 + per_chunk)
+    for p0, p1 in zip([0] + [first + i * per_chunk for i in range(n_chunks - 1)],
+                      [first + i * per_chunk for i in range(n_chunks)]):
         order += list(range(p0, p1)) + list(range(n_pairs + p0, n_pairs + p1))
     return per_chunk, order
 

@@ -111,9 +111,10 @@ def scale_rows(dz, scale):
                 vocab=vocab, asm=not interpret_mode())(dz, scale)
 
 
-def accumulate_bias_grad(dz, db):
-    """db [V] float32 + column sums of dz [n, V], adding the rows in order (deterministic)."""
-    n, vocab = dz.shape
+def accumulate_bias_grad(dz, db, *, n_rows=None):
+    """db [V] float32 + column sums of dz's first `n_rows` rows (default all), in order (deterministic)."""
+    n = dz.shape[0] if n_rows is None else n_rows
+    vocab = dz.shape[1]
     if n == 0:
         return db
     return call(_bias_grad_kernel, out_shape=jax.ShapeDtypeStruct((vocab,), F32),

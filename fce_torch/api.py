@@ -56,16 +56,18 @@ def check_tensors(x, weight, targets, bias, class_weights):
 
 
 def check_values(targets, vocab, ignore_index, class_weights):
-    """The one host synchronization: targets outside [0, V) (other than ignore_index), negative class weights."""
+    """The one host synchronization: targets outside [0, V) (other than ignore_index), negative class weights.
+    Returns the number of valid targets (not ignore_index), which lets the engine skip the ignored rows."""
     bad_target = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
-    flags = [bad_target.any()]
+    flags = [bad_target.any().long(), (targets != ignore_index).sum()]
     if class_weights is not None:
-        flags.append((class_weights < 0).any())
+        flags.append((class_weights < 0).any().long())
     flags = torch.stack(flags).tolist()
     if flags[0]:
         raise ValueError(f"targets must be in [0, {vocab}) or ignore_index={ignore_index}")
-    if len(flags) > 1 and flags[1]:
+    if len(flags) > 2 and flags[2]:
         raise ValueError("class_weights must be >= 0")
+    return flags[1]
 
 
 def prepare(x, weight, targets, bias, class_weights):
@@ -89,7 +91,9 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
     Args:
         x: ``[..., H]`` float32 / bfloat16 / float16 hidden states (any leading shape).
         weight: ``[V, H]`` LM head (may be the tied embedding table), same dtype as ``x``.
-        targets: ``x.shape[:-1]`` integer class indices, already shifted; ``ignore_index`` rows are skipped.
+        targets: ``x.shape[:-1]`` integer class indices, already shifted; ``ignore_index`` rows are skipped:
+            the rows are put valid-first and the chunks past the last valid row never run (their GEMMs
+            shrink with the share of ignored rows, e.g. prompt tokens).
         bias: optional ``[V]`` bias.
         ignore_index: target value that marks a row to ignore (default -100).
         reduction: ``"mean"`` (CE over the class-weighted count of valid rows, z-loss over their count),
@@ -98,11 +102,13 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
         z_loss: coefficient s >= 0 of the PaLM z-loss ``s * lse**2`` (Liger's ``lse_square_scale``).
         softcap: c > 0 applies ``c * tanh(logits / c)`` before the softmax (Gemma-2/3), or None.
         class_weights: optional ``[V]`` non-negative float weights (``F.cross_entropy``'s ``weight=``).
-        return_stats: also return a dict with ``lse`` (float32, shape of targets), ``z_loss`` (the z-loss part
-            of the loss, reduced the same way) and ``accuracy`` (fraction of valid rows whose first argmax is
+        return_stats: also return a dict with ``lse`` (float32, shape of targets; 0 on ignored rows),
+            ``z_loss`` (the z-loss part of the loss, reduced the same way) and ``accuracy`` (fraction of valid rows whose first argmax is
             the target; per-row 0/1 for "none").
-        validate: check targets are in range and class weights non-negative (one host synchronization);
-            pass False under CUDA graphs. Out-of-range targets then give undefined results.
+        validate: check targets are in range and class weights non-negative (one host synchronization, which
+            also counts the valid rows so that the ignored ones are skipped); pass False under CUDA graphs.
+            Out-of-range targets then give undefined results, and every row is computed (same values; the last
+            bits of the gradients may differ, as the GEMMs then run over other rows).
         chunk_rows: rows per chunk (default: float32 logits of one chunk take at most 1 GiB, or 512 MiB when
             every chunk's dZ is kept: see ``chunking.plan``).
 
@@ -117,8 +123,7 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
     """
     check_options(reduction, label_smoothing, z_loss, softcap)
     hidden, vocab = check_tensors(x, weight, targets, bias, class_weights)
-    if validate and targets.numel():
-        check_values(targets, vocab, ignore_index, class_weights)
+    valid_rows = check_values(targets, vocab, ignore_index, class_weights) if validate else None
     lead_shape = tuple(targets.shape)
     opt = Options(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
                   z_loss=float(z_loss), softcap=None if softcap is None else float(softcap),
@@ -128,12 +133,12 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
         t is not None and t.requires_grad for t in (x2, w, b))
     with torch.autocast(x.device.type, enabled=False):
         if differentiable and reduction == "none":
-            loss, zstat, lse, correct = FusedLCENone.apply(x2, w, b, y, cw, opt)
+            loss, zstat, lse, correct = FusedLCENone.apply(x2, w, b, y, cw, opt, valid_rows)
         elif differentiable:
-            run = functools.partial(flce_run, y=y, class_weights=cw, opt=opt)
+            run = functools.partial(flce_run, y=y, class_weights=cw, opt=opt, valid_rows=valid_rows)
             loss, zstat, lse, correct = PrecomputedGrad.apply(x2, w, b, run)
         else:
-            rows, *_ = flce_sweep(x2, w, y, b, cw, opt)
+            rows, *_ = flce_sweep(x2, w, y, b, cw, opt, valid_rows=valid_rows)
             (loss, zstat), lse, correct = totals(rows, reduction), rows["lse"], rows["correct"]
     if reduction == "none":
         loss, zstat = loss.view(lead_shape), zstat.view(lead_shape)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import fastmath as fm
 from .api import check_tensors, check_values
-from .chunking import plan
+from .chunking import layout, plan
 from .engine import NONE, Options, PrecomputedGrad, flce_head, pairwise_sum, sweep
 from .fastmath import ASM, LN2, LOG2E
 
@@ -168,13 +168,14 @@ def _finish_pairs(outputs, *, y, cfg, scalars):
     return pairs
 
 
-def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
+def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows, valid_rows):
     """`PrecomputedGrad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). `n_chosen`
-    counts the valid chosen tokens.
+    counts the valid chosen tokens, `valid_rows` (host int or None) all valid tokens.
 
-    When every chunk's dZ is kept (chunking.plan's store), chunks cut the rows anywhere: the head gives unit
-    coefficients, and the pairs' scale comes once all rows are in. Otherwise chunks hold whole pairs (the rows
-    permuted chunk by chunk) and the head gives the final coefficients.
+    When every chunk's dZ is kept (chunking.plan's store), chunks cut the rows anywhere, so the engine skips
+    the ignored rows (`sweep`'s valid_rows): the head gives unit coefficients, and the pairs' scale comes once
+    all rows are in. Otherwise chunks hold whole pairs (the rows permuted chunk by chunk, every row computed)
+    and the head gives the final coefficients.
     """
     vocab = w.shape[0]
     seq_len = cfg["seq_len"]
@@ -184,8 +185,9 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
                                                                                               float(vocab))])
     opt = Options(ignore_index=cfg["ignore_index"])
     nc, store = plan(y.shape[0], x.shape[1], vocab, x.element_size(), grads[1], chunk_rows)
-    order = None
+    order, skip = None, None
     if store:
+        skip = valid_rows
         head = functools.partial(_token_rows, cfg=cfg, scalars=scalars, vocab=vocab)
         finish = functools.partial(_finish_pairs, y=y, cfg=cfg, scalars=scalars)
     else:
@@ -198,7 +200,7 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
         order = torch.tensor(order, device=x.device)
         x, y = x.view(seqs)[order].view(x.shape), y.view(seqs[:2])[order].view(y.shape)
     out, dx, dw, db = sweep(x, w, bias, None, opt, head, {"y": y}, grads=grads, chunking=(nc, store),
-                            finish=finish)
+                            valid_rows=skip, finish=finish)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
         dx = None if dx is None else _unpermute(dx, order, seqs)
@@ -216,13 +218,15 @@ def _unpermute(t, order, seqs):
 
 def pair_chunks(n_pairs, seq_len, rows):
     """(pairs per chunk, sequence permutation or None): whole pairs in chunks of at most `rows` rows (at least
-    one pair), the sequences ordered chunk by chunk (its chosen sequences, then its rejected ones)."""
+    one pair), placed as the engine places chunks (`chunking.layout`: the remainder first), the sequences
+    ordered chunk by chunk (its chosen sequences, then its rejected ones)."""
     per_chunk = max(1, rows // (2 * seq_len))
     if per_chunk >= n_pairs:
         return n_pairs, None
+    first, n_chunks = layout(n_pairs, per_chunk)
     order = []
-    for p0 in range(0, n_pairs, per_chunk):
-        p1 = min(n_pairs, p0 + per_chunk)
+    for p0, p1 in zip([0] + [first + i * per_chunk for i in range(n_chunks - 1)],
+                      [first + i * per_chunk for i in range(n_chunks)]):
         order += list(range(p0, p1)) + list(range(n_pairs + p0, n_pairs + p1))
     return per_chunk, order
 
@@ -245,7 +249,8 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
             ipo and simpo, False otherwise, as TRL does). A sequence without valid tokens has log-prob 0.
         return_stats: also return ``chosen_logps``, ``rejected_logps``, ``chosen_rewards`` (beta * logp),
             ``rejected_rewards`` ([B] each) and ``nll_loss`` (no gradient).
-        validate: check the targets are in range (one host synchronization).
+        validate: check the targets are in range (one host synchronization, which also counts the valid
+            tokens so that the ignored ones are skipped when the chunks' dZ are kept).
         chunk_rows: rows per chunk; rounded down to whole pairs (at least one) unless the chunks' dZ are kept
             (see ``fce_torch.chunking.plan``).
 
@@ -269,8 +274,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
     if x.shape[0] % 2:
         raise ValueError(f"x's batch must be even (B chosen, then B rejected), got {x.shape[0]}")
     _, vocab = check_tensors(x, weight, targets, bias, None)
-    if validate and targets.numel():
-        check_values(targets, vocab, ignore_index, None)
+    valid_rows = check_values(targets, vocab, ignore_index, None) if validate else None
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")
     n_pairs, seq_len, hidden = x.shape[0] // 2, x.shape[1], x.shape[2]
@@ -284,7 +288,8 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
     n_chosen = (targets[:n_pairs] != ignore_index).sum().to(torch.float32)
     x2 = x.reshape(-1, hidden).contiguous()
     y = targets.reshape(-1).to(torch.int64).contiguous()
-    run = functools.partial(_cpo_run, y=y, n_chosen=n_chosen, cfg=cfg, chunk_rows=chunk_rows)
+    run = functools.partial(_cpo_run, y=y, n_chosen=n_chosen, cfg=cfg, chunk_rows=chunk_rows,
+                            valid_rows=valid_rows)
     w = weight.contiguous()
     b = None if bias is None else bias.contiguous()
     with torch.autocast(x.device.type, enabled=False):

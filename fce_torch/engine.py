@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import gemm
-from .chunking import plan
+from .chunking import chunks_to_run, kept_granule, layout, plan
 from .dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .fastmath import ASM
 from .grad_scale import as_grad
@@ -40,17 +40,40 @@ def _dz_buffer(z, dtype):
     return z.view(dtype)[:, : z.shape[1]]
 
 
-def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunking=None,
-          finish=None, trace=None):
-    """One pass over all rows of x [N, H] with w [V, H]. `row_inputs`: per-row arrays (at least "y"), cut into
-    chunks (`chunking` = (rows per chunk, store), default `plan(...)` from chunking.py) and handed to
-    `head(stats, inputs) -> dict` with the chunk's statistics (m, s, zy, q, amax). The head's outputs (which
-    must include lse, a, b, c when gradients are asked) are concatenated over chunks.
+def valid_first(y, ignore_index):
+    """(pos, order): the stable permutation that puts the valid rows (y != ignore_index) first, the ignored
+    rows after them, each in their order; row i goes to pos[i], and order[j] is the row at position j."""
+    valid = y != ignore_index
+    pos = torch.where(valid, valid.cumsum(0) - 1, valid.sum() + (~valid).cumsum(0) - 1)
+    order = torch.empty_like(pos).scatter_(0, pos, torch.arange(y.shape[0], device=y.device))
+    return pos, order
 
-    With store, dZ of all rows is kept and the dX and dW GEMMs run once after the last chunk. `finish(outputs)`
-    returns more outputs from all rows' outputs; its "scale" [N] multiplies the kept dZ rows before the GEMMs
-    (for a loss whose coefficients need more rows than a chunk holds: the head gives unit coefficients, finish
-    the scale), so a finish with "scale" needs store whenever gradients are asked.
+
+def _rows_back(t, order, n_rows):
+    """Rows [0, len(t)) of the valid-first order back to the caller's n_rows; the rows past t are 0."""
+    if order is None:
+        return t
+    return t.new_zeros((n_rows, *t.shape[1:])).index_copy_(0, order[:t.shape[0]], t)
+
+
+def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunking=None,
+          valid_rows=None, finish=None, trace=None):
+    """One pass over all rows of x [N, H] with w [V, H]. `row_inputs`: per-row arrays (at least "y"), cut into
+    chunks (`chunking` = (rows per chunk, store), default `plan(...)` from chunking.py; `layout` places them)
+    and handed to `head(stats, inputs) -> dict` with the chunk's statistics (m, s, zy, q, amax). The head's
+    outputs (which must include lse, a, b, c when gradients are asked) are concatenated over chunks.
+
+    `valid_rows`, the host's count of rows whose y is not opt.ignore_index (None: unknown), skips the ignored
+    rows: the rows are put valid-first (`valid_first`) and the full chunks past the last valid row never run
+    (an ignored row adds nothing to the loss or the gradients); with store, the number that runs is rounded
+    up by `chunking.kept_granule`. The outputs of the rows that do not run are 0 (so every head output must
+    be per row), their dX rows too. fce_jax counts on the device and skips the same chunks (`skip_ignored`).
+
+    With store, dZ of the rows that run is kept and the dX and dW GEMMs run once after the last chunk.
+    `finish(outputs)` returns more outputs from all rows' outputs (in the caller's order); its "scale" [N]
+    multiplies the kept dZ rows before the GEMMs (for a loss whose coefficients need more rows than a chunk
+    holds: the head gives unit coefficients, finish the scale), so a finish with "scale" needs store whenever
+    gradients are asked.
 
     Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute; dw is float32 when
     accumulated over several chunks, in the input dtype for a single 16-bit chunk or with store.
@@ -59,13 +82,21 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
     need_dx, need_dw, need_db = grads
     nc, store = chunking or plan(n_rows, x.shape[1], vocab, x.element_size(), need_dw, opt.chunk_rows)
     store = store and any(grads)
-    dx = torch.empty_like(x) if need_dx and not store else None
+    first, n_chunks = layout(n_rows, nc)
+    order, n_run_chunks = None, n_chunks
+    if valid_rows is not None and valid_rows < n_rows:
+        pos, order = valid_first(row_inputs["y"], opt.ignore_index)
+        x = x[order]
+        row_inputs = {k: v[order] for k, v in row_inputs.items()}
+        n_run_chunks = chunks_to_run(valid_rows, first, nc, n_chunks, kept_granule(n_chunks) if store else 1)
+    n_run = first + (n_run_chunks - 1) * nc  # the rows of the chunks that run
+    dx = x.new_empty(n_run, x.shape[1]) if need_dx and not store else None
     dw = None
     db = torch.zeros(vocab, device=x.device, dtype=F32) if need_db else None
-    dz_rows = torch.empty(n_rows, vocab, device=x.device, dtype=x.dtype) if store else None
+    dz_rows = x.new_empty(n_run, vocab) if store else None
     outs = []
-    for r0 in range(0, max(n_rows, 1), nc):
-        r1 = min(n_rows, r0 + nc)
+    for i in range(n_run_chunks):
+        r0, r1 = (0, first) if i == 0 else (first + (i - 1) * nc, first + i * nc)
         z = dz = None  # release the last chunk's logits before the next GEMM allocates its own
         x_c = x[r0:r1]
         inputs = {k: v[r0:r1] for k, v in row_inputs.items()}
@@ -76,14 +107,14 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
                      amax=amax)
         out = head(stats, inputs)
         outs.append(out)
-        if trace is not None and r0 == 0:
+        if trace is not None and i == 0:
             trace["logits"] = z.clone()
         if not any(grads):
             continue
         dz = dz_rows[r0:r1] if store else _dz_buffer(z, x.dtype)
         dlogits(z, dz, bias, inputs["y"], class_weights, out["lse"], out["a"], out["b"], out["c"],
                 softcap=opt.softcap, asm=ASM)
-        if trace is not None and r0 == 0:
+        if trace is not None and i == 0:
             trace["dlogits"] = dz.clone()
         if store:
             continue
@@ -91,25 +122,26 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
             gemm.mm(dz, w, x.dtype, out=dx[r0:r1])
         if need_dw:
             if dw is None:  # one chunk: the GEMM writes the dtype; several: a float32 accumulator
-                dw = gemm.mm(dz.t(), x_c, w.dtype if r1 == n_rows else F32)
+                dw = gemm.mm(dz.t(), x_c, w.dtype if n_chunks == 1 else F32)
             else:
                 gemm.addmm_(dw, dz.t(), x_c)
         if need_db:
             accumulate_bias_grad(dz, db)
     z = dz = None
-    outputs = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+    outputs = {k: _rows_back(torch.cat([o[k] for o in outs]), order, n_rows) for k in outs[0]}
     if finish is not None:
         outputs.update(finish(outputs))
     if "scale" in outputs and any(grads) and not store:
         raise ValueError("sweep: a finish with a scale needs store (the chunks' dZ are gone)")
     if store:
         if "scale" in outputs:
-            scale_rows(dz_rows, outputs["scale"])
+            scale = outputs["scale"] if order is None else outputs["scale"][order]
+            scale_rows(dz_rows, scale[:n_run])
         dx = gemm.mm(dz_rows, w, x.dtype) if need_dx else None
-        dw = gemm.mm(dz_rows.t(), x, w.dtype) if need_dw else None
+        dw = gemm.mm(dz_rows.t(), x[:n_run], w.dtype) if need_dw else None
         if need_db:
             accumulate_bias_grad(dz_rows, db)
-    return outputs, dx, dw, db
+    return outputs, None if dx is None else _rows_back(dx, order, n_rows), dw, db
 
 
 class PrecomputedGrad(torch.autograd.Function):
@@ -155,8 +187,9 @@ def _flce_head(stats, inputs, *, scalars, opt, vocab):
 
 
 def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False), row_cotangent=None,
-               trace=None):
-    """The FLCE sweep: outputs are float32 [N] rows lse, loss, zrow, correct, a, b, c."""
+               valid_rows=None, trace=None):
+    """The FLCE sweep: outputs are float32 [N] rows lse, loss, zrow, correct, a, b, c (all 0 on ignored
+    rows, lse too, whether their chunk ran or was skipped: see `sweep`'s valid_rows)."""
     vocab = w.shape[0]
     scalars, w_y = reduction_scalars(y, class_weights, opt.ignore_index, vocab)
     row_inputs = {"y": y}
@@ -165,7 +198,10 @@ def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False)
     if row_cotangent is not None:
         row_inputs["g"] = row_cotangent
     head = functools.partial(_flce_head, scalars=scalars, opt=opt, vocab=vocab)
-    return sweep(x, w, bias, class_weights, opt, head, row_inputs, grads=grads, trace=trace)
+    rows, dx, dw, db = sweep(x, w, bias, class_weights, opt, head, row_inputs, grads=grads, valid_rows=valid_rows,
+                             trace=trace)
+    rows["lse"] = torch.where(y != opt.ignore_index, rows["lse"], 0.0)
+    return rows, dx, dw, db
 
 
 def totals(rows, reduction):
@@ -175,9 +211,9 @@ def totals(rows, reduction):
     return pairwise_sum(rows["loss"]), pairwise_sum(rows["zrow"])
 
 
-def flce_run(x, w, bias, grads, *, y, class_weights, opt):
+def flce_run(x, w, bias, grads, *, y, class_weights, opt, valid_rows):
     """`PrecomputedGrad`'s run for "mean"/"sum": (loss, (z_loss stat, lse, correct), dx, dw, db)."""
-    rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=grads)
+    rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=grads, valid_rows=valid_rows)
     loss, zstat = totals(rows, opt.reduction)
     return loss, (zstat, rows["lse"], rows["correct"]), dx, dw, db
 
@@ -186,10 +222,10 @@ class FusedLCENone(torch.autograd.Function):
     """reduction="none": the forward computes the rows' losses; the backward recomputes with the cotangent."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, y, class_weights, opt):
-        rows, *_ = flce_sweep(x, w, y, bias, class_weights, opt)
+    def forward(ctx, x, w, bias, y, class_weights, opt, valid_rows):
+        rows, *_ = flce_sweep(x, w, y, bias, class_weights, opt, valid_rows=valid_rows)
         ctx.save_for_backward(x, w, bias, y, class_weights)
-        ctx.opt = opt
+        ctx.opt, ctx.valid_rows = opt, valid_rows
         ctx.grads = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                      bias is not None and ctx.needs_input_grad[2])
         ctx.mark_non_differentiable(rows["zrow"], rows["lse"], rows["correct"])
@@ -199,17 +235,19 @@ class FusedLCENone(torch.autograd.Function):
     def backward(ctx, g_loss, *unused):
         x, w, bias, y, class_weights = ctx.saved_tensors
         _, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, ctx.opt, grads=ctx.grads,
-                                   row_cotangent=g_loss.to(F32).contiguous())
-        return dx, as_grad(dw, w.dtype), None if db is None else as_grad(db, bias.dtype), None, None, None
+                                   row_cotangent=g_loss.to(F32).contiguous(), valid_rows=ctx.valid_rows)
+        return dx, as_grad(dw, w.dtype), None if db is None else as_grad(db, bias.dtype), None, None, None, None
 
 
 def debug_intermediates(x, w, y, bias=None, class_weights=None, **options):
     """The stages of one forward+backward, for `python -m parity --explain`: float32 logits and the dlogits of
-    the first chunk, lse of all rows, and the final dx, dw (db)."""
+    the first chunk, lse of all rows, and the final dx, dw (db). Counts the valid rows on the host, as
+    `fused_lce`'s validation does, so that the same chunks run."""
     opt = Options(**options)
     trace = {}
+    valid_rows = int((y != opt.ignore_index).sum())
     rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=(True, True, bias is not None),
-                                  trace=trace)
+                                  valid_rows=valid_rows, trace=trace)
     trace.update(lse=rows["lse"], dx=dx, dw=as_grad(dw, w.dtype))
     if bias is not None:
         trace["db"] = as_grad(db, bias.dtype)

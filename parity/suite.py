@@ -160,7 +160,7 @@ def small_cpo_cases() -> list[CpoCase]:
 def gpu_cases() -> list[Case]:
     """The real shapes (SPEC anchors): bf16 at (N, H, V) = (4096, 4096, 128256) over the option grid
     (each option, three reductions, all options at once), (8192, 2304, 256000) over the reductions and all
-    options, and float32 at (1024, 1024, 32000)."""
+    options, both with half the rows ignored, and float32 at (1024, 1024, 32000)."""
     a = dict(shape=(4096,), h=4096, v=128256, dtype="bfloat16")
     b = dict(shape=(8192,), h=2304, v=256000, dtype="bfloat16")
     f = dict(shape=(1024,), h=1024, v=32000, dtype="float32")
@@ -178,6 +178,8 @@ def gpu_cases() -> list[Case]:
                     Case(f"bf16_{tag}_softcap", **shp, softcap=30.0, logit_scale=30.0, seed=seed + 6),
                     Case(f"bf16_{tag}_class_weights", **shp, class_weights=True, seed=seed + 7)]
         out.append(Case(f"bf16_{tag}_all_options", **shp, **all_opts, seed=seed + 8))
+        # Half the rows ignored: the chunks past the valid rows are skipped (kept dZ at 4k, accumulated at 8k).
+        out.append(Case(f"bf16_{tag}_half_ignored", **shp, ignore_frac=0.5, seed=seed + 9))
     out += [Case("f32_1k_1k_32k_mean", **f, seed=300),
             Case("f32_1k_1k_32k_large_logits", **f, logit_scale=50.0, seed=301),
             Case("f32_1k_1k_32k_none", **f, reduction="none", seed=302),

@@ -110,8 +110,8 @@ def parametrize_cases(cases=None):
 
 
 # ---------------------------------------------------------------------- twin runners (tests/test_fce_*.py)
-# Rows per chunk for each small case in the twin tests: several chunks for most cases (first chunk, full
-# chunks (JAX: a lax.scan) and a tail chunk), the default (one chunk at these sizes) for the others.
+# Rows per chunk for each small case in the twin tests: several chunks for most cases (a first chunk with the
+# remainder, then full chunks in a loop), the default (one chunk at these sizes) for the others.
 CASE_CHUNK_ROWS = {
     "f32_basic": 8, "f16_basic": None, "single_row": 16, "all_ignored": 4, "x3d_bf16": None,
     "large_logits_f32": 16, "large_logits_bf16": 8, "bias_bf16": None, "label_smoothing": 16, "z_loss": 8,
