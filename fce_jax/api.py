@@ -92,9 +92,9 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
         z_loss: coefficient s >= 0 of the PaLM z-loss ``s * lse**2``.
         softcap: c > 0 applies ``c * tanh(logits / c)`` before the softmax (Gemma-2/3), or None.
         class_weights: optional ``[V]`` non-negative float weights (no gradient flows to them).
-        return_stats: also return a dict with ``lse`` (float32, shape of targets; 0 on ignored rows),
-            ``z_loss`` (the z-loss part of the loss, reduced the same way) and ``accuracy`` (fraction of valid rows whose first argmax is
-            the target; per-row 0/1 for "none"). The stats carry no gradient.
+        return_stats: also return a dict with ``lse`` (float32, shape of targets; 0 on ignored rows), ``z_loss``
+            (the z-loss part of the loss, reduced the same way) and ``accuracy`` (fraction of valid rows whose first
+            argmax is the target; per-row 0/1 for "none"). The stats carry no gradient.
         chunk_rows: rows per chunk (default: float32 logits of one chunk take at most 1 GiB, or 512 MiB when
             every chunk's dZ is kept: see ``chunking.plan``).
 

@@ -2,6 +2,7 @@
 
 LOGITS_BUDGET_BYTES = 1 << 30  # the float32 logits of one chunk
 STORED_LOGITS_BUDGET_BYTES = 1 << 29  # the same when every chunk's dZ is kept (it shares the memory with them)
+GROUPED_LOGITS_BUDGET_BYTES = 1 << 28  # the same next to the kept dZ of a group (a float32 dW accumulator too)
 ROW_MULTIPLE = 128
 KEPT_PROGRAMS = 8
 

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from . import chunking
 from . import fastmath as fm
 from .api import check_tensors, check_values
 from .chunking import layout, plan
@@ -159,16 +160,10 @@ def _pairs(l1, y, *, cfg, scalars):
             "logp_c": logp[0], "logp_r": logp[1], "reward_c": reward[0], "reward_r": reward[1]}
 
 
-def _pair_chunk_head(stats, inputs, *, cfg, scalars, vocab):
-    """A chunk of whole pairs: its statistics -> the final coefficients and the pairs' outputs."""
-    rows = _token_rows(stats, inputs, cfg=cfg, scalars=scalars, vocab=vocab)
-    return {"lse": rows["lse"], "c": jnp.zeros_like(rows["loss"]),
-            **_pairs(rows["loss"], inputs["y"], cfg=cfg, scalars=scalars)}
-
-
-def _finish_pairs(outputs, *, y, cfg, scalars):
-    """With dZ kept (unit coefficients): all tokens' L1 -> the pairs' outputs and the tokens' dZ scale."""
-    pairs = _pairs(outputs["loss"], y, cfg=cfg, scalars=scalars)
+def _finish_pairs(outputs, inputs, *, cfg, scalars):
+    """Whole pairs' tokens' L1 (their dZ written with unit coefficients) -> the pairs' outputs and the tokens'
+    dZ scale."""
+    pairs = _pairs(outputs["loss"], inputs["y"], cfg=cfg, scalars=scalars)
     del pairs["b"]
     pairs["scale"] = pairs.pop("a")
     return pairs
@@ -178,10 +173,11 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
     """`precomputed_grad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). `n_chosen`
     counts the valid chosen tokens.
 
-    When every chunk's dZ is kept (chunking.plan's store), chunks cut the rows anywhere, so the engine skips
-    the ignored rows (`sweep`'s skip_ignored): the head gives unit coefficients, and the pairs' scale comes once
-    all rows are in. Otherwise chunks hold whole pairs (the rows permuted chunk by chunk, every row computed)
-    and the head gives the final coefficients.
+    The head gives every token unit coefficients and the pairs' scale comes once their rows are in: dZ is kept
+    (`sweep`'s store). When all rows' dZ fits (chunking.plan's store), or without gradients, chunks cut the
+    rows anywhere and the ignored rows are skipped. Otherwise the rows go in groups of whole pairs (sequences
+    permuted group by group, every row computed), each group's dZ kept while chunks of a quarter of the
+    logits budget run over it, and dW accumulates over the groups in float32.
     """
     vocab = w.shape[0]
     seq_len = cfg["seq_len"]
@@ -189,23 +185,21 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
     # [B, n_chosen, W_sum]: the first two feed the pair kernel, W_sum the FLCE head (no class weights).
     scalars = jnp.stack([jnp.asarray(n_pairs, F32), n_chosen, jnp.asarray(vocab, F32)])
     opt = Options(ignore_index=cfg["ignore_index"])
+    head = functools.partial(_token_rows, cfg=cfg, scalars=scalars, vocab=vocab)
+    finish = functools.partial(_finish_pairs, cfg=cfg, scalars=scalars)
     nc, store = plan(y.shape[0], x.shape[1], vocab, x.dtype.itemsize, grads[1], chunk_rows)
-    order, skip = None, False
-    if store:
-        skip = True
-        head = functools.partial(_token_rows, cfg=cfg, scalars=scalars, vocab=vocab)
-        finish = functools.partial(_finish_pairs, y=y, cfg=cfg, scalars=scalars)
-    else:
-        per_chunk, order = pair_chunks(n_pairs, seq_len, nc)
-        nc = 2 * per_chunk * seq_len
-        head = functools.partial(_pair_chunk_head, cfg=cfg, scalars=scalars, vocab=vocab)
-        finish = None
+    order = group_rows = None
+    if any(grads) and not store:
+        per_group, order = pair_chunks(n_pairs, seq_len, nc)
+        group_rows = 2 * per_group * seq_len
+        nc = chunking.chunk_rows(group_rows, vocab, chunk_rows, budget=chunking.GROUPED_LOGITS_BUDGET_BYTES)
+        store = True
     seqs = (2 * n_pairs, seq_len, x.shape[1])
     if order is not None:
         order = np.asarray(order)
         x, y = x.reshape(seqs)[order].reshape(x.shape), y.reshape(seqs[:2])[order].reshape(y.shape)
     out, dx, dw, db = sweep(x, w, bias, None, opt, head, {"y": y}, grads=grads, chunking=(nc, store),
-                            skip_ignored=skip,
+                            group_rows=None if order is None else group_rows, skip_ignored=order is None,
                             finish=finish)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
@@ -255,8 +249,9 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
             ipo and simpo, False otherwise, as TRL does). A sequence without valid tokens has log-prob 0.
         return_stats: also return ``chosen_logps``, ``rejected_logps``, ``chosen_rewards`` (beta * logp),
             ``rejected_rewards`` ([B] each) and ``nll_loss`` (no gradient).
-        chunk_rows: rows per chunk; rounded down to whole pairs (at least one) unless the chunks' dZ are kept
-            (see ``fce_jax.chunking.plan``).
+        chunk_rows: rows per chunk. When all rows' dZ would not fit (``fce_jax.chunking.plan``), the rows go in
+            groups of whole pairs of at most this many rows (at least one pair), and chunks of this many rows
+            run over each group.
 
     Returns:
         The float32 scalar loss (and the stats dict). Differentiable in ``x``, ``weight`` and ``bias``.

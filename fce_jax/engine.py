@@ -1,10 +1,10 @@
 """The chunked engine (C3): logits GEMM -> row statistics -> loss head -> dlogits -> dX and dW GEMMs.
 
 `sweep` runs it over all rows, chunk by chunk (the first chunk, which takes the remainder, then a loop over the
-full chunks after it: fce_torch's loop order), for any loss head (FLCE here, CPO in cpo.py): the head turns one chunk's row
-statistics into its outputs and the per-row gradient coefficients a, b, c. `precomputed_grad` pairs a sweep
-that computed the gradients in the forward pass with `jax.custom_vjp` (the backward only scales); the plain
-primal call computes the loss only. `fused_lce_none` serves reduction="none", whose backward sweeps again
+full chunks after it: fce_torch's loop order), for any loss head (FLCE here, CPO in cpo.py): the head turns one
+chunk's row statistics into its outputs and the per-row gradient coefficients a, b, c. `precomputed_grad` pairs
+a sweep that computed the gradients in the forward pass with `jax.custom_vjp` (the backward only scales); the
+plain primal call computes the loss only. `fused_lce_none` serves reduction="none", whose backward sweeps again
 with the per-row cotangent (four GEMMs). Twin: fce_torch/engine.py.
 """
 import functools
@@ -17,7 +17,7 @@ from jax import lax
 from . import gemm
 from .chunking import kept_granule, layout, plan
 from .dlogits import accumulate_bias_grad, dlogits, scale_rows
-from .grad_scale import as_grad
+from .grad_scale import as_grad, kept_weight_grad
 from .head import MEAN, NONE, SUM, flce_head, pairwise_sum
 from .row_stats import row_stats
 
@@ -46,8 +46,20 @@ def valid_first(y, ignore_index):
     return pos, order, n_valid
 
 
+def _add_grads(dz, x_rows, w, dw, db, *, need_dx, need_dw, single):
+    """The GEMMs of some rows' dZ: (dX rows or None, dW (+)= dZ^T X (the first writes it: in the dtype when it is
+    the `single` one, else a float32 accumulator), db + column sums (if given))."""
+    dx = gemm.mm(dz, w, x_rows.dtype) if need_dx else None
+    if need_dw:
+        dw = (gemm.mm(dz, x_rows, w.dtype if single else F32, a_t=True) if dw is None
+              else gemm.addmm(dw, dz, x_rows, a_t=True))
+    if db is not None:
+        db = accumulate_bias_grad(dz, db)
+    return dx, dw, db
+
+
 def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunking=None,
-          skip_ignored=False, finish=None, trace=None):
+          group_rows=None, skip_ignored=False, finish=None, trace=None):
     """One pass over all rows of x [N, H] with w [V, H]. `row_inputs`: per-row arrays (at least "y"), cut into
     chunks (`chunking` = (rows per chunk, store), default `plan(...)` from chunking.py; `layout` places them)
     and handed to `head(stats, inputs) -> dict` with the chunk's statistics (m, s, zy, q, amax). The head's
@@ -61,39 +73,38 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
     from the host's count of valid rows (`valid_rows`).
 
     With store, dZ of the rows that run is kept and the dX and dW GEMMs run once after the last chunk.
-    `finish(outputs)` returns more outputs from all rows' outputs (in the caller's order); its "scale" [N]
-    multiplies the kept dZ rows before the GEMMs (for a loss whose coefficients need more rows than a chunk
-    holds: the head gives unit coefficients, finish the scale), so a finish with "scale" needs store whenever
-    gradients are asked.
+    `finish(outputs, inputs)` returns more outputs from all rows' outputs and inputs (in the caller's order);
+    its "scale" [N] multiplies the kept dZ rows before the GEMMs (for a loss whose coefficients need more rows
+    than a chunk holds: the head gives unit coefficients, finish the scale), so a finish with "scale" needs
+    store whenever gradients are asked.
+
+    `group_rows` (whole units of the loss, e.g. preference pairs; no skipping then) runs all this per group of
+    rows (`layout` places the groups, then the chunks in each; a loop over the full groups): finish sees one
+    group, its outputs are concatenated over groups, and with store each group's dZ is kept and its dW added
+    to a float32 accumulator (the first group writes it).
 
     Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute; dw is float32 when
-    accumulated over several chunks, in the input dtype for a single 16-bit chunk or with store.
+    accumulated over several chunks or groups, in the input dtype for a single 16-bit chunk or group.
     """
     n_rows, vocab = x.shape[0], w.shape[0]
     need_dx, need_dw, need_db = grads
     nc, store = chunking or plan(n_rows, x.shape[1], vocab, x.dtype.itemsize, need_dw, opt.chunk_rows)
     store = store and any(grads)
-    first, n_chunks = layout(n_rows, nc)
-    granule = kept_granule(n_chunks) if store else 1
-    pos, n_run_chunks = None, n_chunks
-    if skip_ignored:
-        pos, order, n_valid = valid_first(row_inputs["y"], opt.ignore_index)
-        x = x[order]
-        row_inputs = {k: v[order] for k, v in row_inputs.items()}
-        # chunking.chunks_to_run, on the device
-        needed = 1 + jnp.clip(-((first - n_valid) // nc), 0, n_chunks - 1)
-        n_run_chunks = jnp.minimum(n_chunks, -(-needed // granule) * granule)
+    if group_rows is not None and any(grads) and not store:
+        raise ValueError("sweep: groups need store when gradients are asked")
+    g_first, n_groups = (n_rows, 1) if group_rows is None else layout(n_rows, group_rows)
+    single_chunk = n_groups == 1 and layout(n_rows, nc)[1] == 1
 
-    def chunk(acc, db, x_c, inputs, r0, is_first, kept_rows):
+    def chunk(acc, db, x_c, inputs, r0, is_first, traced, kept_rows):
         """One chunk's outputs, and its dZ's share of the gradients: (acc, db, out, dx_c); acc is the float32
-        dW accumulator, or with store the [kept_rows, V] dZ of the rows that run."""
+        dW accumulator, or with store the [kept_rows, V] dZ of its group's rows that run."""
         z = gemm.mm(x_c, w, F32, b_t=True)
         m, zy, amax, s_part, q_part = row_stats(z, bias, inputs["y"], class_weights, softcap=opt.softcap,
                                                 smoothing=opt.label_smoothing > 0)
         stats = dict(m=m, s=pairwise_sum(s_part), zy=zy, q=None if q_part is None else pairwise_sum(q_part),
                      amax=amax)
         out = head(stats, inputs)
-        if trace is not None and is_first:
+        if traced:
             trace["logits"] = z
         if not any(grads):
             return acc, db, out, None
@@ -101,67 +112,104 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
         if store:  # the first chunk makes the dZ buffer, the others write their rows into it in place
             acc = dlogits(z, bias, inputs["y"], class_weights, *coefficients, softcap=opt.softcap, dtype=x.dtype,
                           into=None if is_first else acc, row0=r0, out_rows=kept_rows)
-            if trace is not None and is_first:
+            if traced:
                 trace["dlogits"] = acc[:x_c.shape[0]]
             return acc, db, out, None
         dz = dlogits(z, bias, inputs["y"], class_weights, *coefficients, softcap=opt.softcap, dtype=x.dtype)
-        if trace is not None and is_first:
+        if traced:
             trace["dlogits"] = dz
-        dx_c = gemm.mm(dz, w, x.dtype) if need_dx else None
-        if need_dw:  # one chunk: the GEMM writes the dtype; several: a float32 accumulator
-            acc = (gemm.mm(dz, x_c, w.dtype if n_chunks == 1 else F32, a_t=True) if is_first
-                   else gemm.addmm(acc, dz, x_c, a_t=True))
-        if need_db:
-            db = accumulate_bias_grad(dz, db)
+        dx_c, acc, db = _add_grads(dz, x_c, w, acc, db, need_dx=need_dx, need_dw=need_dw, single=single_chunk)
         return acc, db, out, dx_c
 
-    def run(n_run_chunks):
-        """The sweep over the first n_run_chunks chunks (static with store, else possibly traced)."""
+    def stack_loop(step, start, stop, carry, n_slots):
+        """carry, pieces = step(i, carry) for i in [start, stop) (stop may be traced): the pieces stacked in
+        n_slots slots (0 in the slots of the steps that do not run)."""
+        _, shapes = jax.eval_shape(functools.partial(step, start), carry)
+        stacked = jax.tree.map(lambda p: jnp.zeros((n_slots, *p.shape), p.dtype), shapes)
+
+        def body(i, c):
+            carry, stacked = c
+            carry, pieces = step(i, carry)
+            return carry, jax.tree.map(lambda b, p: lax.dynamic_update_index_in_dim(b, p, i - start, 0), stacked,
+                                       pieces)
+
+        return lax.fori_loop(start, stop, body, (carry, stacked))
+
+    def flat(first_pieces, stacked):
+        return jax.tree.map(lambda p, b: jnp.concatenate([p, b.reshape(-1, *b.shape[2:])]), first_pieces, stacked)
+
+    def group_pass(x_g, inputs_g, caller_g, n_run_chunks, dw, db, first_group, pos=None, order=None):
+        """One group of rows: its chunks (the first n_run_chunks of them), finish, and with store its dX and its
+        share of dW (`dw`: the accumulator, None before the first group). Returns (outputs, dx, dw, db)."""
+        size = x_g.shape[0]
+        first, n_chunks = layout(size, nc)
         kept_rows = first + (n_run_chunks - 1) * nc if store else None
 
-        def later(i, acc, db):
+        def later(i, carry):
+            acc, db = carry
             r0 = first + (i - 1) * nc
-            x_c = lax.dynamic_slice_in_dim(x, r0, nc)
-            inputs = {k: lax.dynamic_slice_in_dim(v, r0, nc) for k, v in row_inputs.items()}
-            return chunk(acc, db, x_c, inputs, r0, False, kept_rows)
+            x_c = lax.dynamic_slice_in_dim(x_g, r0, nc)
+            inputs = {k: lax.dynamic_slice_in_dim(v, r0, nc) for k, v in inputs_g.items()}
+            acc, db, out, dx_c = chunk(acc, db, x_c, inputs, r0, False, False, kept_rows)
+            return (acc, db), (out, dx_c)
 
-        acc, db, out, dx_c = chunk(None, jnp.zeros((vocab,), F32) if need_db else None, x[:first],
-                                   {k: v[:first] for k, v in row_inputs.items()}, 0, True, kept_rows)
+        acc, db, out, dx_c = chunk(None if store else dw, db, x_g[:first],
+                                   {k: v[:first] for k, v in inputs_g.items()}, 0, True,
+                                   first_group and trace is not None, kept_rows)
         rows = (out, dx_c)
-        if n_chunks > 1:  # the later chunks' pieces, stacked (0 for the chunks that do not run)
-            _, _, *shapes = jax.eval_shape(functools.partial(later, 1), acc, db)
-            stacked = jax.tree.map(lambda p: jnp.zeros((n_chunks - 1, *p.shape), p.dtype), tuple(shapes))
-
-            def body(i, carry):
-                acc, db, stacked = carry
-                acc, db, *pieces = later(i, acc, db)
-                return acc, db, jax.tree.map(lambda b, p: lax.dynamic_update_index_in_dim(b, p, i - 1, 0),
-                                             stacked, tuple(pieces))
-
-            acc, db, stacked = lax.fori_loop(1, n_run_chunks, body, (acc, db, stacked))
-            rows = jax.tree.map(lambda p, b: jnp.concatenate([p, b.reshape(-1, *b.shape[2:])]), rows, stacked)
+        if n_chunks > 1:  # the later chunks' pieces (0 for the chunks that do not run)
+            (acc, db), stacked = stack_loop(later, 1, n_run_chunks, (acc, db), n_chunks - 1)
+            rows = flat(rows, stacked)
         outputs, dx = rows
         if pos is not None:
             outputs = {k: v[pos] for k, v in outputs.items()}
         if finish is not None:
-            outputs.update(finish(outputs))
+            outputs.update(finish(outputs, caller_g))
         if "scale" in outputs and any(grads) and not store:
             raise ValueError("sweep: a finish with a scale needs store (the chunks' dZ are gone)")
-        dw = acc
-        if store:
-            if "scale" in outputs:
-                scale = outputs["scale"] if pos is None else outputs["scale"][order]
-                acc = scale_rows(acc, scale[:kept_rows])
-            if need_dx:
-                dx = jnp.pad(gemm.mm(acc, w, x.dtype), ((0, n_rows - kept_rows), (0, 0)))
-            dw = gemm.mm(acc, x[:kept_rows], w.dtype, a_t=True) if need_dw else None
-            if need_db:
-                db = accumulate_bias_grad(acc, db)
-        if dx is not None and pos is not None:
-            dx = dx[pos]
+        if not store:
+            return outputs, dx if dx is None or pos is None else dx[pos], acc, db
+        if "scale" in outputs:
+            scale = outputs["scale"] if order is None else outputs["scale"][order]
+            acc = scale_rows(acc, scale[:kept_rows])
+        dx, dw, db = _add_grads(acc, x_g[:kept_rows], w, dw, db, need_dx=need_dx, need_dw=need_dw,
+                                single=n_groups == 1)
+        if dx is not None:
+            dx = jnp.pad(dx, ((0, size - kept_rows), (0, 0)))
+            dx = dx if pos is None else dx[pos]
         return outputs, dx, dw, db
 
-    if not (store and skip_ignored):
+    db0 = jnp.zeros((vocab,), F32) if need_db else None
+    if n_groups > 1:
+        def later_group(i, carry):
+            dw, db = carry
+            sl = functools.partial(lax.dynamic_slice_in_dim, start_index=g_first + (i - 1) * group_rows,
+                                   slice_size=group_rows)
+            inputs = {k: sl(v) for k, v in row_inputs.items()}
+            outputs, dx, dw, db = group_pass(sl(x), inputs, inputs, layout(group_rows, nc)[1], dw, db, False)
+            return (dw, db), (outputs, dx)
+
+        inputs = {k: v[:g_first] for k, v in row_inputs.items()}
+        outputs, dx, dw, db = group_pass(x[:g_first], inputs, inputs, layout(g_first, nc)[1], None, db0, True)
+        (dw, db), stacked = stack_loop(later_group, 1, n_groups, (dw, db), n_groups - 1)
+        outputs, dx = flat((outputs, dx), stacked)
+        return outputs, dx, dw, db
+
+    first, n_chunks = layout(n_rows, nc)
+    if not skip_ignored:
+        return group_pass(x, row_inputs, row_inputs, n_chunks, None, db0, True)
+    pos, order, n_valid = valid_first(row_inputs["y"], opt.ignore_index)
+    x_v = x[order]
+    inputs_v = {k: v[order] for k, v in row_inputs.items()}
+    granule = kept_granule(n_chunks) if store else 1
+    # chunking.chunks_to_run, on the device
+    needed = 1 + jnp.clip(-((first - n_valid) // nc), 0, n_chunks - 1)
+    n_run_chunks = jnp.minimum(n_chunks, -(-needed // granule) * granule)
+
+    def run(n_run_chunks):
+        return group_pass(x_v, inputs_v, row_inputs, n_run_chunks, None, db0, True, pos, order)
+
+    if not store:
         return run(n_run_chunks)
     if granule >= n_chunks:  # a single possible count
         return run(n_chunks)
@@ -189,7 +237,7 @@ def _precomputed_fwd(x, w, bias, run):
     loss, extras, dx, dw, db = run(x, w, bias, (True, True, bias is not None))
     # Zero-size arrays carry the parameters' dtypes (residuals must be arrays).
     tags = (jnp.zeros((0,), w.dtype), None if bias is None else jnp.zeros((0,), bias.dtype))
-    return (loss, *extras), (dx, dw, db, tags)
+    return (loss, *extras), (dx, kept_weight_grad(dw, w.dtype), db, tags)
 
 
 def _precomputed_bwd(run, res, cotangents):

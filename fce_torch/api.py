@@ -102,9 +102,9 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
         z_loss: coefficient s >= 0 of the PaLM z-loss ``s * lse**2`` (Liger's ``lse_square_scale``).
         softcap: c > 0 applies ``c * tanh(logits / c)`` before the softmax (Gemma-2/3), or None.
         class_weights: optional ``[V]`` non-negative float weights (``F.cross_entropy``'s ``weight=``).
-        return_stats: also return a dict with ``lse`` (float32, shape of targets; 0 on ignored rows),
-            ``z_loss`` (the z-loss part of the loss, reduced the same way) and ``accuracy`` (fraction of valid rows whose first argmax is
-            the target; per-row 0/1 for "none").
+        return_stats: also return a dict with ``lse`` (float32, shape of targets; 0 on ignored rows), ``z_loss``
+            (the z-loss part of the loss, reduced the same way) and ``accuracy`` (fraction of valid rows whose first
+            argmax is the target; per-row 0/1 for "none").
         validate: check targets are in range and class weights non-negative (one host synchronization, which
             also counts the valid rows so that the ignored ones are skipped); pass False under CUDA graphs.
             Out-of-range targets then give undefined results, and every row is computed (same values; the last

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import chunking
 from . import fastmath as fm
 from .api import check_tensors, check_values
 from .chunking import layout, plan
@@ -153,16 +154,10 @@ def _pairs(l1, y, *, cfg, scalars):
             "reward_r": reward[n_pairs:]}
 
 
-def _pair_chunk_head(stats, inputs, *, cfg, scalars, vocab):
-    """A chunk of whole pairs: its statistics -> the final coefficients and the pairs' outputs."""
-    rows = _token_rows(stats, inputs, cfg=cfg, scalars=scalars, vocab=vocab)
-    return {"lse": rows["lse"], "c": torch.zeros_like(rows["loss"]),
-            **_pairs(rows["loss"], inputs["y"], cfg=cfg, scalars=scalars)}
-
-
-def _finish_pairs(outputs, *, y, cfg, scalars):
-    """With dZ kept (unit coefficients): all tokens' L1 -> the pairs' outputs and the tokens' dZ scale."""
-    pairs = _pairs(outputs["loss"], y, cfg=cfg, scalars=scalars)
+def _finish_pairs(outputs, inputs, *, cfg, scalars):
+    """Whole pairs' tokens' L1 (their dZ written with unit coefficients) -> the pairs' outputs and the tokens'
+    dZ scale."""
+    pairs = _pairs(outputs["loss"], inputs["y"], cfg=cfg, scalars=scalars)
     del pairs["b"]
     pairs["scale"] = pairs.pop("a")
     return pairs
@@ -172,10 +167,11 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows, valid_rows):
     """`PrecomputedGrad`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). `n_chosen`
     counts the valid chosen tokens, `valid_rows` (host int or None) all valid tokens.
 
-    When every chunk's dZ is kept (chunking.plan's store), chunks cut the rows anywhere, so the engine skips
-    the ignored rows (`sweep`'s valid_rows): the head gives unit coefficients, and the pairs' scale comes once
-    all rows are in. Otherwise chunks hold whole pairs (the rows permuted chunk by chunk, every row computed)
-    and the head gives the final coefficients.
+    The head gives every token unit coefficients and the pairs' scale comes once their rows are in: dZ is kept
+    (`sweep`'s store). When all rows' dZ fits (chunking.plan's store), or without gradients, chunks cut the
+    rows anywhere and the ignored rows are skipped. Otherwise the rows go in groups of whole pairs (sequences
+    permuted group by group, every row computed), each group's dZ kept while chunks of a quarter of the
+    logits budget run over it, and dW accumulates over the groups in float32.
     """
     vocab = w.shape[0]
     seq_len = cfg["seq_len"]
@@ -184,23 +180,22 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows, valid_rows):
     scalars = torch.stack([torch.full_like(n_chosen, float(n_pairs)), n_chosen, torch.full_like(n_chosen,
                                                                                               float(vocab))])
     opt = Options(ignore_index=cfg["ignore_index"])
+    head = functools.partial(_token_rows, cfg=cfg, scalars=scalars, vocab=vocab)
+    finish = functools.partial(_finish_pairs, cfg=cfg, scalars=scalars)
     nc, store = plan(y.shape[0], x.shape[1], vocab, x.element_size(), grads[1], chunk_rows)
-    order, skip = None, None
-    if store:
-        skip = valid_rows
-        head = functools.partial(_token_rows, cfg=cfg, scalars=scalars, vocab=vocab)
-        finish = functools.partial(_finish_pairs, y=y, cfg=cfg, scalars=scalars)
-    else:
-        per_chunk, order = pair_chunks(n_pairs, seq_len, nc)
-        nc = 2 * per_chunk * seq_len
-        head = functools.partial(_pair_chunk_head, cfg=cfg, scalars=scalars, vocab=vocab)
-        finish = None
+    order = group_rows = None
+    if any(grads) and not store:
+        per_group, order = pair_chunks(n_pairs, seq_len, nc)
+        group_rows = 2 * per_group * seq_len
+        nc = chunking.chunk_rows(group_rows, vocab, chunk_rows, budget=chunking.GROUPED_LOGITS_BUDGET_BYTES)
+        store = True
     seqs = (2 * n_pairs, seq_len, x.shape[1])
     if order is not None:
         order = torch.tensor(order, device=x.device)
         x, y = x.view(seqs)[order].view(x.shape), y.view(seqs[:2])[order].view(y.shape)
     out, dx, dw, db = sweep(x, w, bias, None, opt, head, {"y": y}, grads=grads, chunking=(nc, store),
-                            valid_rows=skip, finish=finish)
+                            group_rows=None if order is None else group_rows, valid_rows=valid_rows,
+                            finish=finish)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
         dx = None if dx is None else _unpermute(dx, order, seqs)
@@ -217,9 +212,9 @@ def _unpermute(t, order, seqs):
 
 
 def pair_chunks(n_pairs, seq_len, rows):
-    """(pairs per chunk, sequence permutation or None): whole pairs in chunks of at most `rows` rows (at least
-    one pair), placed as the engine places chunks (`chunking.layout`: the remainder first), the sequences
-    ordered chunk by chunk (its chosen sequences, then its rejected ones)."""
+    """(pairs per group, sequence permutation or None): whole pairs in groups of at most `rows` rows (at least
+    one pair), placed as the engine places groups (`chunking.layout`: the remainder first), the sequences
+    ordered group by group (its chosen sequences, then its rejected ones)."""
     per_chunk = max(1, rows // (2 * seq_len))
     if per_chunk >= n_pairs:
         return n_pairs, None
@@ -250,9 +245,10 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         return_stats: also return ``chosen_logps``, ``rejected_logps``, ``chosen_rewards`` (beta * logp),
             ``rejected_rewards`` ([B] each) and ``nll_loss`` (no gradient).
         validate: check the targets are in range (one host synchronization, which also counts the valid
-            tokens so that the ignored ones are skipped when the chunks' dZ are kept).
-        chunk_rows: rows per chunk; rounded down to whole pairs (at least one) unless the chunks' dZ are kept
-            (see ``fce_torch.chunking.plan``).
+            tokens so that the ignored ones are skipped when all rows go in one group).
+        chunk_rows: rows per chunk. When all rows' dZ would not fit (``fce_torch.chunking.plan``), the rows go in
+            groups of whole pairs of at most this many rows (at least one pair), and chunks of this many rows
+            run over each group.
 
     Returns:
         The float32 scalar loss (and the stats dict). Gradients flow to ``x``, ``weight`` and ``bias``.

@@ -15,7 +15,7 @@ from . import gemm
 from .chunking import chunks_to_run, kept_granule, layout, plan
 from .dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .fastmath import ASM
-from .grad_scale import as_grad
+from .grad_scale import as_grad, kept_weight_grad
 from .head import MEAN, NONE, SUM, flce_head, pairwise_sum
 from .row_stats import row_stats
 
@@ -56,8 +56,24 @@ def _rows_back(t, order, n_rows):
     return t.new_zeros((n_rows, *t.shape[1:])).index_copy_(0, order[:t.shape[0]], t)
 
 
+def _add_grads(dz, x_rows, w, dx_rows, dw, db, *, need_dw, single):
+    """The GEMMs of some rows' dZ: dX rows into `dx_rows` (if given), dW (+)= dZ^T X (the first writes it: in
+    the dtype when it is the `single` one, else a float32 accumulator), db += column sums (if given).
+    Returns dw."""
+    if dx_rows is not None:
+        gemm.mm(dz, w, x_rows.dtype, out=dx_rows)
+    if need_dw:
+        if dw is None:
+            dw = gemm.mm(dz.t(), x_rows, w.dtype if single else F32)
+        else:
+            gemm.addmm_(dw, dz.t(), x_rows)
+    if db is not None:
+        accumulate_bias_grad(dz, db)
+    return dw
+
+
 def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, False, False), chunking=None,
-          valid_rows=None, finish=None, trace=None):
+          group_rows=None, valid_rows=None, finish=None, trace=None):
     """One pass over all rows of x [N, H] with w [V, H]. `row_inputs`: per-row arrays (at least "y"), cut into
     chunks (`chunking` = (rows per chunk, store), default `plan(...)` from chunking.py; `layout` places them)
     and handed to `head(stats, inputs) -> dict` with the chunk's statistics (m, s, zy, q, amax). The head's
@@ -70,77 +86,88 @@ def sweep(x, w, bias, class_weights, opt, head, row_inputs, *, grads=(False, Fal
     be per row), their dX rows too. fce_jax counts on the device and skips the same chunks (`skip_ignored`).
 
     With store, dZ of the rows that run is kept and the dX and dW GEMMs run once after the last chunk.
-    `finish(outputs)` returns more outputs from all rows' outputs (in the caller's order); its "scale" [N]
-    multiplies the kept dZ rows before the GEMMs (for a loss whose coefficients need more rows than a chunk
-    holds: the head gives unit coefficients, finish the scale), so a finish with "scale" needs store whenever
-    gradients are asked.
+    `finish(outputs, inputs)` returns more outputs from all rows' outputs and inputs (in the caller's order);
+    its "scale" [N] multiplies the kept dZ rows before the GEMMs (for a loss whose coefficients need more rows
+    than a chunk holds: the head gives unit coefficients, finish the scale), so a finish with "scale" needs
+    store whenever gradients are asked.
+
+    `group_rows` (whole units of the loss, e.g. preference pairs; no skipping then) runs all this per group of
+    rows (`layout` places the groups, then the chunks in each): finish sees one group, its outputs are
+    concatenated over groups, and with store each group's dZ is kept and its dW added to a float32
+    accumulator (the first group writes it).
 
     Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute; dw is float32 when
-    accumulated over several chunks, in the input dtype for a single 16-bit chunk or with store.
+    accumulated over several chunks or groups, in the input dtype for a single 16-bit chunk or group.
     """
     n_rows, vocab = x.shape[0], w.shape[0]
     need_dx, need_dw, need_db = grads
     nc, store = chunking or plan(n_rows, x.shape[1], vocab, x.element_size(), need_dw, opt.chunk_rows)
     store = store and any(grads)
+    if group_rows is not None and any(grads) and not store:
+        raise ValueError("sweep: groups need store when gradients are asked")
+    g_first, n_groups = (n_rows, 1) if group_rows is None else layout(n_rows, group_rows)
+    caller_inputs, order, n_run = row_inputs, None, n_rows
     first, n_chunks = layout(n_rows, nc)
-    order, n_run_chunks = None, n_chunks
-    if valid_rows is not None and valid_rows < n_rows:
-        pos, order = valid_first(row_inputs["y"], opt.ignore_index)
+    n_run_chunks = n_chunks
+    if n_groups == 1 and valid_rows is not None and valid_rows < n_rows:
+        _, order = valid_first(row_inputs["y"], opt.ignore_index)
         x = x[order]
         row_inputs = {k: v[order] for k, v in row_inputs.items()}
         n_run_chunks = chunks_to_run(valid_rows, first, nc, n_chunks, kept_granule(n_chunks) if store else 1)
-    n_run = first + (n_run_chunks - 1) * nc  # the rows of the chunks that run
-    dx = x.new_empty(n_run, x.shape[1]) if need_dx and not store else None
+        n_run = first + (n_run_chunks - 1) * nc  # the rows of the chunks that run
+    dx = x.new_empty(n_run, x.shape[1]) if need_dx else None
     dw = None
     db = torch.zeros(vocab, device=x.device, dtype=F32) if need_db else None
-    dz_rows = x.new_empty(n_run, vocab) if store else None
     outs = []
-    for i in range(n_run_chunks):
-        r0, r1 = (0, first) if i == 0 else (first + (i - 1) * nc, first + i * nc)
-        z = dz = None  # release the last chunk's logits before the next GEMM allocates its own
-        x_c = x[r0:r1]
-        inputs = {k: v[r0:r1] for k, v in row_inputs.items()}
-        z = gemm.mm(x_c, w.t(), F32)
-        m, zy, amax, s_part, q_part = row_stats(z, bias, inputs["y"], class_weights, softcap=opt.softcap,
-                                                smoothing=opt.label_smoothing > 0, asm=ASM)
-        stats = dict(m=m, s=pairwise_sum(s_part), zy=zy, q=None if q_part is None else pairwise_sum(q_part),
-                     amax=amax)
-        out = head(stats, inputs)
-        outs.append(out)
-        if trace is not None and i == 0:
-            trace["logits"] = z.clone()
-        if not any(grads):
+    for gi in range(n_groups):
+        g0, g1 = (0, g_first) if gi == 0 else (g_first + (gi - 1) * group_rows, g_first + gi * group_rows)
+        if n_groups > 1:
+            first, n_chunks = layout(g1 - g0, nc)
+            n_run_chunks, g_run = n_chunks, g1 - g0
+        else:
+            g_run = n_run
+        dz_rows = x.new_empty(g_run, vocab) if store else None
+        g_outs = []
+        for i in range(n_run_chunks):
+            r0, r1 = (0, first) if i == 0 else (first + (i - 1) * nc, first + i * nc)  # within the group
+            z = dz = None  # release the last chunk's logits before the next GEMM allocates its own
+            x_c = x[g0 + r0:g0 + r1]
+            inputs = {k: v[g0 + r0:g0 + r1] for k, v in row_inputs.items()}
+            z = gemm.mm(x_c, w.t(), F32)
+            m, zy, amax, s_part, q_part = row_stats(z, bias, inputs["y"], class_weights, softcap=opt.softcap,
+                                                    smoothing=opt.label_smoothing > 0, asm=ASM)
+            stats = dict(m=m, s=pairwise_sum(s_part), zy=zy, q=None if q_part is None else pairwise_sum(q_part),
+                         amax=amax)
+            out = head(stats, inputs)
+            g_outs.append(out)
+            if trace is not None and gi == i == 0:
+                trace["logits"] = z.clone()
+            if not any(grads):
+                continue
+            dz = dz_rows[r0:r1] if store else _dz_buffer(z, x.dtype)
+            dlogits(z, dz, bias, inputs["y"], class_weights, out["lse"], out["a"], out["b"], out["c"],
+                    softcap=opt.softcap, asm=ASM)
+            if trace is not None and gi == i == 0:
+                trace["dlogits"] = dz.clone()
+            if not store:
+                dw = _add_grads(dz, x_c, w, None if dx is None else dx[r0:r1], dw, db, need_dw=need_dw,
+                                single=n_chunks == 1)
+        z = dz = None
+        g_out = {k: _rows_back(torch.cat([o[k] for o in g_outs]), order, n_rows) for k in g_outs[0]}
+        if finish is not None:
+            g_out.update(finish(g_out, {k: v[g0:g1] for k, v in caller_inputs.items()}))
+        outs.append(g_out)
+        if "scale" in g_out and any(grads) and not store:
+            raise ValueError("sweep: a finish with a scale needs store (the chunks' dZ are gone)")
+        if not store:
             continue
-        dz = dz_rows[r0:r1] if store else _dz_buffer(z, x.dtype)
-        dlogits(z, dz, bias, inputs["y"], class_weights, out["lse"], out["a"], out["b"], out["c"],
-                softcap=opt.softcap, asm=ASM)
-        if trace is not None and i == 0:
-            trace["dlogits"] = dz.clone()
-        if store:
-            continue
-        if need_dx:
-            gemm.mm(dz, w, x.dtype, out=dx[r0:r1])
-        if need_dw:
-            if dw is None:  # one chunk: the GEMM writes the dtype; several: a float32 accumulator
-                dw = gemm.mm(dz.t(), x_c, w.dtype if n_chunks == 1 else F32)
-            else:
-                gemm.addmm_(dw, dz.t(), x_c)
-        if need_db:
-            accumulate_bias_grad(dz, db)
-    z = dz = None
-    outputs = {k: _rows_back(torch.cat([o[k] for o in outs]), order, n_rows) for k in outs[0]}
-    if finish is not None:
-        outputs.update(finish(outputs))
-    if "scale" in outputs and any(grads) and not store:
-        raise ValueError("sweep: a finish with a scale needs store (the chunks' dZ are gone)")
-    if store:
-        if "scale" in outputs:
-            scale = outputs["scale"] if order is None else outputs["scale"][order]
-            scale_rows(dz_rows, scale[:n_run])
-        dx = gemm.mm(dz_rows, w, x.dtype) if need_dx else None
-        dw = gemm.mm(dz_rows.t(), x[:n_run], w.dtype) if need_dw else None
-        if need_db:
-            accumulate_bias_grad(dz_rows, db)
+        if "scale" in g_out:
+            scale = g_out["scale"] if order is None else g_out["scale"][order]
+            scale_rows(dz_rows, scale[:g_run])
+        dw = _add_grads(dz_rows, x[g0:g0 + g_run], w, None if dx is None else dx[g0:g0 + g_run], dw, db,
+                        need_dw=need_dw, single=n_groups == 1)
+        dz_rows = None  # release this group's dZ before the next group allocates its own
+    outputs = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
     return outputs, None if dx is None else _rows_back(dx, order, n_rows), dw, db
 
 
@@ -155,7 +182,7 @@ class PrecomputedGrad(torch.autograd.Function):
     def forward(ctx, x, w, bias, run):
         grads = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         loss, extras, dx, dw, db = run(x, w, bias, grads)
-        ctx.save_for_backward(dx, dw, db)
+        ctx.save_for_backward(dx, kept_weight_grad(dw, w.dtype), db)
         ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(*extras)
         return (loss, *extras)

@@ -30,3 +30,12 @@ def as_grad(grad, dtype, g=None):
         _scale_cast_kernel[(triton.cdiv(n, BLOCK),)](grad.contiguous(), out, g.to(torch.float32).reshape(1), n,
                                                     BLOCK=BLOCK, ASM=fm.ASM, num_warps=8)
     return out
+
+
+def kept_weight_grad(dw, dtype):
+    """The dW to keep for the backward: a float32 accumulator of a bfloat16 weight is rounded now (bfloat16
+    has float32's range, and the accumulator's memory is released before the backward); otherwise dw as is (a
+    float16 dW could underflow before the backward applies a loss scale)."""
+    if dw is None or dtype != torch.bfloat16 or dw.dtype == dtype:
+        return dw
+    return dw.to(dtype)

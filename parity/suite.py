@@ -188,13 +188,16 @@ def gpu_cases() -> list[Case]:
 
 
 def gpu_cpo_cases() -> list[CpoCase]:
-    """CPO at the anchor shape of DESIGN.md (B=2 pairs, T=1024, H=4096, V=128256, bf16), each loss type."""
+    """CPO at the anchor shape of DESIGN.md (B=2 pairs, T=1024, H=4096, V=128256, bf16), each loss type, and
+    at B=8 pairs."""
     s = dict(pairs=2, t=1024, h=4096, v=128256, dtype="bfloat16")
     return [CpoCase("cpo_sigmoid_bf16_2x1024_4k_128k", **s, seed=400),
             CpoCase("cpo_sigmoid_ls_bias_bf16_2x1024_4k_128k", **s, bias=True, label_smoothing=0.1, seed=401),
             CpoCase("simpo_bf16_2x1024_4k_128k", **s, loss_type="simpo", seed=402),
             CpoCase("ipo_bf16_2x1024_4k_128k", **s, loss_type="ipo", seed=403),
-            CpoCase("hinge_bf16_2x1024_4k_128k", **s, loss_type="hinge", seed=404)]
+            CpoCase("hinge_bf16_2x1024_4k_128k", **s, loss_type="hinge", seed=404),
+            # 8 pairs: all rows' dZ would outgrow the dW accumulator, so groups of whole pairs run.
+            CpoCase("cpo_sigmoid_bf16_8x1024_4k_128k", **{**s, "pairs": 8}, seed=405)]
 
 
 def default_cases(device: str, *, cpo: bool = True) -> list:

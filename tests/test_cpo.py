@@ -161,5 +161,23 @@ def test_chunks_cutting_pairs_twins_agree_and_no_grad_matches():
     a, j = run_torch(x, w, y, b, chunk_rows=7), run_jax(x, w, y, b, chunk_rows=7)
     for k in ("loss", "dx", "dw", "db", "chosen_logps", "rejected_logps", "nll_loss"):
         assert rel_err(j[k], np.asarray(a[k].double())) < 1e-6, k
-    with torch.no_grad():  # whole-pair chunks here (no dW): the same loss bits
+    with torch.no_grad():  # one group here (no gradients), the ignored rows skipped: the same loss bits
         assert torch.equal(fce_torch.fused_cpo_loss(x, w, y, bias=b, chunk_rows=7), a["loss"])
+
+
+@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("chunk_rows,groups", [(7, [1, 1, 1]), (20, [1, 2])])
+def test_groups_of_pairs(twin, chunk_rows, groups):
+    """dZ of all rows would not fit: groups of whole pairs (the remainder first), each group's dZ kept while
+    chunks of `chunk_rows` cut it (7 rows: two chunks per 10-row pair), dW accumulated over the groups."""
+    from fce_torch.chunking import layout, plan
+    from fce_torch.cpo import pair_chunks
+
+    x, w, y, b = make(pairs=3, seed=9, bias=True)
+    assert plan(30, 16, 130, 4, True, chunk_rows)[1] is False
+    per_group, _ = pair_chunks(3, 5, chunk_rows)
+    first, n_groups = layout(3, per_group)
+    assert [first] + [per_group] * (n_groups - 1) == groups
+    kw = dict(loss_type="sigmoid", beta=0.5, label_smoothing=0.1, alpha=0.7)
+    out = TWINS[twin](x, w, y, b, chunk_rows=chunk_rows, **kw)
+    assert_close_to_reference(out, cpo_reference(x, w, y, bias=b, **kw), "float32")
