@@ -6,10 +6,10 @@ its loss and the tokens' gradient coefficients
 
     dloss/dz_c = a_t p_c + b_t [c == y_t],   a_t = kappa [t chosen] - v_seq,  b_t = -a_t   (valid tokens)
 
-with v = dloss/dlogp_seq * d logp_seq / d sum and kappa = alpha / n_chosen (the NLL term). Either chunks hold
-whole pairs (rows permuted chunk by chunk: chosen then rejected sequences of its pairs) and the pair kernel
-runs per chunk, or, when the engine keeps all dZ rows, chunks cut anywhere, dZ is written with a_t = 1 and
-scaled by a_t once all pairs are known. Twin: fce_torch/cpo.py.
+with v = dloss/dlogp_seq * d logp_seq / d sum and kappa = alpha / n_chosen (the NLL term). dZ is written with
+a_t = 1 and kept, and scaled by a_t once its pairs are known: in one group of all rows (chunks cut pairs
+anywhere) when that fits, else in groups of whole pairs (rows permuted group by group: chosen then rejected
+sequences of its pairs). Twin: fce_torch/cpo.py.
 """
 import functools
 
@@ -190,7 +190,7 @@ def _cpo_run(x, w, bias, grads, *, y, n_chosen, cfg, chunk_rows):
     nc, store = plan(y.shape[0], x.shape[1], vocab, x.dtype.itemsize, grads[1], chunk_rows)
     order = group_rows = None
     if any(grads) and not store:
-        per_group, order = pair_chunks(n_pairs, seq_len, nc)
+        per_group, order = pair_groups(n_pairs, seq_len, nc)
         group_rows = 2 * per_group * seq_len
         nc = chunking.chunk_rows(group_rows, vocab, chunk_rows, budget=chunking.GROUPED_LOGITS_BUDGET_BYTES)
         store = True
@@ -216,19 +216,19 @@ def _unpermute(t, order, seqs):
     return t.reshape(seqs)[np.argsort(order)].reshape(t.shape)
 
 
-def pair_chunks(n_pairs, seq_len, rows):
-    """(pairs per chunk, sequence permutation or None): whole pairs in chunks of at most `rows` rows (at least
-    one pair), placed as the engine places chunks (`chunking.layout`: the remainder first), the sequences
-    ordered chunk by chunk (its chosen sequences, then its rejected ones)."""
-    per_chunk = max(1, rows // (2 * seq_len))
-    if per_chunk >= n_pairs:
+def pair_groups(n_pairs, seq_len, rows):
+    """(pairs per group, sequence permutation or None): whole pairs in groups of at most `rows` rows (at least
+    one pair), placed as the engine places groups (`chunking.layout`: the remainder first), the sequences
+    ordered group by group (its chosen sequences, then its rejected ones)."""
+    per_group = max(1, rows // (2 * seq_len))
+    if per_group >= n_pairs:
         return n_pairs, None
-    first, n_chunks = layout(n_pairs, per_chunk)
+    first, n_groups = layout(n_pairs, per_group)
     order = []
-    for p0, p1 in zip([0] + [first + i * per_chunk for i in range(n_chunks - 1)],
-                      [first + i * per_chunk for i in range(n_chunks)]):
+    for p0, p1 in zip([0] + [first + i * per_group for i in range(n_groups - 1)],
+                      [first + i * per_group for i in range(n_groups)]):
         order += list(range(p0, p1)) + list(range(n_pairs + p0, n_pairs + p1))
-    return per_chunk, order
+    return per_group, order
 
 
 def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,

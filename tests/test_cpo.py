@@ -55,7 +55,7 @@ TWINS = {"torch": run_torch, "jax": run_jax}
 @pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "simpo"])
 def test_loss_types_against_reference(twin, loss_type):
     x, w, y, b = make(pairs=3, seed=1)
-    kw = dict(loss_type=loss_type, beta=0.5, chunk_rows=10)  # one pair per chunk: the rows are permuted
+    kw = dict(loss_type=loss_type, beta=0.5, chunk_rows=10)  # one pair per group: the rows are permuted
     out = TWINS[twin](x, w, y, b, **kw)
     ref = cpo_reference(x, w, y, loss_type=loss_type, beta=0.5)
     assert_close_to_reference(out, ref, "float32")
@@ -139,7 +139,7 @@ def test_torch_no_grad_matches_grad_path():
 
 def test_plan_keeps_dz_and_cuts_pairs():
     """The shapes of the next test: every chunk's dZ kept (chunks of 7 rows cut the 5-token sequences), and
-    the whole-pair path for the same rows when the weight takes no gradient."""
+    the groups of whole pairs for the same rows when the weight takes no gradient."""
     from fce_torch.chunking import plan
 
     assert plan(30, 64, 130, 4, True, 7) == (7, True)
@@ -171,11 +171,11 @@ def test_groups_of_pairs(twin, chunk_rows, groups):
     """dZ of all rows would not fit: groups of whole pairs (the remainder first), each group's dZ kept while
     chunks of `chunk_rows` cut it (7 rows: two chunks per 10-row pair), dW accumulated over the groups."""
     from fce_torch.chunking import layout, plan
-    from fce_torch.cpo import pair_chunks
+    from fce_torch.cpo import pair_groups
 
     x, w, y, b = make(pairs=3, seed=9, bias=True)
     assert plan(30, 16, 130, 4, True, chunk_rows)[1] is False
-    per_group, _ = pair_chunks(3, 5, chunk_rows)
+    per_group, _ = pair_groups(3, 5, chunk_rows)
     first, n_groups = layout(3, per_group)
     assert [first] + [per_group] * (n_groups - 1) == groups
     kw = dict(loss_type="sigmoid", beta=0.5, label_smoothing=0.1, alpha=0.7)
