@@ -1,18 +1,27 @@
 """The three GEMMs: float32 accumulation from the input dtype, rounded once. Twin: fce_torch/gemm.py.
 
 16-bit operands stay 16-bit (float32 accumulation; `preferred_element_type` is float32 for a float32 result and
-the operands' dtype for a 16-bit one); float32 operands run at `Precision.HIGHEST` (IEEE float32, no TF32).
+the operands' dtype for a 16-bit one). float32 operands run at `Precision.HIGHEST` (IEEE float32) unless the
+user has set ``jax_default_matmul_precision`` (``jax.config.update`` or the ``jax.default_matmul_precision``
+context): then fce follows that setting, as ``jnp.matmul`` does.
 """
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 F32 = jnp.float32
 
 
+def float32_precision():
+    """The precision of a float32 GEMM: the user's ``jax_default_matmul_precision`` when set (None lets JAX
+    apply it), else HIGHEST."""
+    return None if jax.config.jax_default_matmul_precision is not None else lax.Precision.HIGHEST
+
+
 def mm(a, b, out_dtype, *, a_t=False, b_t=False):
     """op(a) @ op(b) (op = transpose where asked), accumulated in float32, rounded once to out_dtype."""
     dims = (((0,) if a_t else (1,), (1,) if b_t else (0,)), ((), ()))
-    precision = lax.Precision.HIGHEST if a.dtype == F32 else None
+    precision = float32_precision() if a.dtype == F32 else None
     # A 16-bit result comes out of the GEMM itself (float32 accumulation, one rounding in its epilogue, as
     # cuBLAS does for fce_torch): as a float32 dot and a cast, XLA may keep the float32 [M, N] in memory.
     acc = out_dtype if a.dtype == out_dtype != F32 else F32

@@ -2,7 +2,7 @@
 
 When ``fce_torch`` and ``fce_jax`` give different bits on a case, the final outputs alone do not say which
 step of the engine (docs/NUMERICS.md) is responsible. Both twins expose
-``engine.debug_intermediates(x, weight, targets, bias=..., class_weights=..., **options)``, returning the
+``debug.debug_intermediates(x, weight, targets, bias=..., class_weights=..., **options)``, returning the
 stages of one forward+backward on the same inputs:
 
 ``logits`` (float32, first chunk) -> ``lse`` (float32, all rows) -> ``dlogits`` (first chunk, input dtype)
@@ -134,10 +134,10 @@ def explain_case(case, inputs: dict, device: str) -> dict:
     fns = {}
     for twin in ("torch", "jax"):
         try:
-            mod = importlib.import_module(f"fce_{twin}.engine")
+            mod = importlib.import_module(f"fce_{twin}.debug")
             fns[twin] = getattr(mod, "debug_intermediates")
         except (ImportError, AttributeError) as e:
-            return {"status": "missing", "reason": f"fce_{twin}.engine.debug_intermediates: {e}", "stages": [],
+            return {"status": "missing", "reason": f"fce_{twin}.debug.debug_intermediates: {e}", "stages": [],
                     "first_divergence": None, "hint": ""}
     h = inputs["x"].shape[-1]
     x2 = inputs["x"].reshape(-1, h)

@@ -1,7 +1,7 @@
 """The elementwise float32 operations whose bits the two twins must share (see docs/NUMERICS.md).
 
 On the GPU each one is a single PTX instruction emitted as inline assembly, so no compiler can contract,
-re-associate or substitute it; `fce_jax/fastmath.py` emits the same instructions. The Triton interpreter has
+re-associate or substitute it; `fce_jax/kernels/fastmath.py` emits the same instructions. The Triton interpreter has
 no inline assembly: there (`ASM=False`) the same formulas run with plain operations.
 """
 import os
@@ -9,10 +9,16 @@ import os
 import triton
 import triton.language as tl
 
+from fce_core import config
+
 # Inline PTX on the GPU; plain operations in the Triton interpreter (which cannot run assembly).
 ASM = os.environ.get("TRITON_INTERPRET", "0") != "1"
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(config.LOG2E)
+LN2 = tl.constexpr(config.LN2)
+_TANH_BELOW = tl.constexpr(config.TANH_POLY_BELOW)
+_TANH_C3 = tl.constexpr(config.TANH_C3)
+_TANH_C5 = tl.constexpr(config.TANH_C5)
+_TANH_C7 = tl.constexpr(config.TANH_C7)
 
 
 @triton.jit
@@ -81,13 +87,13 @@ def fma(x, y, z, ASM: tl.constexpr):
 def tanh(u, ASM: tl.constexpr):
     """tanh(u): an odd polynomial below |u| = 0.125, else (1 - e) / (1 + e) with e = 2**(-2|u| log2 e)."""
     u2 = mul(u, u, ASM)
-    poly = fma(u2, -0.05396825396825397, 0.13333333333333333, ASM)
-    poly = fma(u2, poly, -0.3333333333333333, ASM)
+    poly = fma(u2, _TANH_C7, _TANH_C5, ASM)
+    poly = fma(u2, poly, _TANH_C3, ASM)
     small = fma(u, mul(poly, u2, ASM), u, ASM)
     e = ex2(mul(tl.abs(u), -2.0 * LOG2E, ASM), ASM)
     big = div(1.0 - e, 1.0 + e, ASM)
     big = tl.where(u < 0.0, -big, big)
-    return tl.where(tl.abs(u) < 0.125, small, big)
+    return tl.where(tl.abs(u) < _TANH_BELOW, small, big)
 
 
 @triton.jit

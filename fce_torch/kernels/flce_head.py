@@ -1,46 +1,35 @@
-"""The loss head: per-row statistics -> per-row loss and gradient coefficients; the fixed-order sums.
+"""The FLCE head: per-row statistics -> per-row loss and gradient coefficients.
 
 For a valid row (target y != ignore_index), with L1 = lse - z_y and q = sum_c w_c (z_c - z_y):
 
     CE   = (1 - eps) w_y L1 + (eps / V) (W_sum L1 - q)          Z = s lse^2
-    dloss/dz_c = a p_c + b [c == y] + c_ w_c                    (before the softcap derivative)
+    dloss/dz_c = a p_c + b [c == y] + c_ w_c                    (before the logit transform's derivative)
     a = rho ((1 - eps) w_y + (eps / V) W_sum) + rho_z 2 s lse,  b = -rho (1 - eps) w_y,  c_ = -rho eps / V
 
-rho, rho_z are 1/D, 1/n ("mean"), 1 ("sum"), or the row's cotangent ("none", backward). Ignored rows give 0.
-Twin: fce_jax/head.py.
+rho, rho_z are 1/D, 1/n ("mean"; 0 when D = 0 or n = 0), or 1 ("sum", "none"), times the row's cotangent g
+when one is given (the backward of "none", or of any reduction whose lse is differentiated), times the
+stop-gradient p(y) = exp(z_y - lse) with token scaling (Liger's ``use_token_scaling``). A cotangent g_lse of the
+row's lse adds g_lse to a. Ignored rows give 0. Twin: fce_jax/kernels/flce_head.py.
 """
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import fastmath as fm
-from .fastmath import LN2
+from fce_core.config import HEAD
 
-BLOCK = 1024
-MEAN, SUM, NONE = 0, 1, 2
+from . import fastmath as fm
+from .fastmath import LN2, LOG2E
+
 ROW_OUTPUTS = ("lse", "loss", "zrow", "correct", "a", "b", "c")
 
 
-def pairwise_sum(x):
-    """Sum over the last axis by a fixed pairwise tree (zero-padded to a power of two): x[0::2] + x[1::2]."""
-    n = x.shape[-1]
-    if n == 0:
-        return x.new_zeros(x.shape[:-1])
-    width = 1 << (n - 1).bit_length()
-    if width != n:
-        x = F.pad(x, (0, width - n))
-    while x.shape[-1] > 1:
-        x = x[..., 0::2] + x[..., 1::2]
-    return x[..., 0]
-
-
 @triton.jit
-def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_ptr, scal_ptr,
+def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_ptr, glse_ptr, scal_ptr,
                       lse_ptr, loss_ptr, zrow_ptr, correct_ptr, a_ptr, b_ptr, c_ptr,
                       n_rows, V, ignore_index, one_minus_eps, eps_over_v, zcoef, two_zcoef,
                       MODE: tl.constexpr, HAS_Q: tl.constexpr, HAS_CW: tl.constexpr, HAS_G: tl.constexpr,
-                      BLOCK: tl.constexpr, ASM: tl.constexpr):
+                      HAS_GLSE: tl.constexpr, TOKEN_SCALING: tl.constexpr, BLOCK: tl.constexpr,
+                      ASM: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n_rows
     y = tl.load(y_ptr + rows, mask=ok, other=0)
@@ -69,24 +58,24 @@ def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_pt
     if MODE == 0:
         d = tl.load(scal_ptr)
         n = tl.load(scal_ptr + 1)
-        rho = tl.where(d > 0.0, fm.div(1.0, d, ASM), 0.0)
+        rho = tl.where(d != 0.0, fm.div(1.0, d, ASM), 0.0)
         rho_z = tl.where(n > 0.0, fm.div(1.0, n, ASM), 0.0)
-        zrow = fm.mul(zl, rho_z, ASM)
-        loss = fm.fma(ce, rho, zrow, ASM)
-    elif MODE == 1:
-        rho = 1.0
-        rho_z = 1.0
-        zrow = zl
-        loss = ce + zl
     else:
-        if HAS_G:
-            rho = tl.load(g_ptr + rows, mask=ok, other=0.0)
-        else:
-            rho = 1.0
+        rho = tl.full([BLOCK], 1.0, tl.float32)
         rho_z = rho
-        zrow = zl
-        loss = ce + zl
+    if HAS_G:
+        g = tl.load(g_ptr + rows, mask=ok, other=0.0)
+        rho = fm.mul(rho, g, ASM)
+        rho_z = fm.mul(rho_z, g, ASM)
+    if TOKEN_SCALING:
+        p_y = fm.ex2((zy - lse) * LOG2E, ASM)
+        rho = fm.mul(rho, p_y, ASM)
+        rho_z = fm.mul(rho_z, p_y, ASM)
+    zrow = fm.mul(zl, rho_z, ASM)
+    loss = fm.fma(ce, rho, zrow, ASM)
     a = fm.fma(rho, fm.fma(eps_over_v, w_sum, k1w, ASM), fm.mul(fm.mul(rho_z, two_zcoef, ASM), lse, ASM), ASM)
+    if HAS_GLSE:
+        a = a + tl.load(glse_ptr + rows, mask=ok, other=0.0)
     b = -fm.mul(rho, k1w, ASM)
     c = -fm.mul(rho, eps_over_v, ASM)
 
@@ -104,19 +93,22 @@ def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_pt
     tl.store(c_ptr + rows, tl.where(valid, c, 0.0), mask=ok)
 
 
-def flce_head(m, s, zy, q, amax, y, w_y, g, scalars, *, mode, ignore_index, label_smoothing, z_loss, vocab,
-              asm):
-    """Run the head on one chunk's rows. `scalars` = float32 [D, n, W_sum]; `w_y` the targets' class weights
-    (or None). Returns a dict of float32 [rows] tensors named ROW_OUTPUTS."""
+def flce_head(stats, y, w_y, g, g_lse, scalars, *, opt, vocab, asm, cfg=HEAD):
+    """Run the head on one chunk's rows. `stats`: the chunk's m, s, zy, amax (and q with label smoothing);
+    `scalars` = float32 [D, n, W_sum]; `w_y` the targets' class weights, `g`/`g_lse` the rows' cotangents of
+    the loss and of lse (each or None). `opt`: the FlceOptions. Returns a dict of float32 [rows] tensors named
+    ROW_OUTPUTS."""
+    m = stats["m"]
     n = m.shape[0]
     out = {k: torch.empty(n, device=m.device, dtype=torch.float32) for k in ROW_OUTPUTS}
     if n == 0:
         return out
-    eps = float(label_smoothing)
-    _flce_head_kernel[(triton.cdiv(n, BLOCK),)](
-        m, s, zy, q if q is not None else s, amax, y, w_y if w_y is not None else m, g if g is not None else m,
-        scalars, *(out[k] for k in ROW_OUTPUTS),
-        n, vocab, ignore_index, 1.0 - eps, eps / vocab, float(z_loss), 2.0 * float(z_loss),
-        MODE=mode, HAS_Q=q is not None, HAS_CW=w_y is not None, HAS_G=g is not None,
-        BLOCK=BLOCK, ASM=asm, num_warps=4)
+    eps, q = float(opt.label_smoothing), stats.get("q")
+    _flce_head_kernel[(triton.cdiv(n, cfg.block),)](
+        m, stats["s"], stats["zy"], m if q is None else q, stats["amax"], y, m if w_y is None else w_y,
+        m if g is None else g, m if g_lse is None else g_lse, scalars, *(out[k] for k in ROW_OUTPUTS),
+        n, vocab, opt.ignore_index, 1.0 - eps, eps / vocab, float(opt.z_loss), 2.0 * float(opt.z_loss),
+        MODE=opt.mode, HAS_Q=q is not None, HAS_CW=w_y is not None, HAS_G=g is not None,
+        HAS_GLSE=g_lse is not None, TOKEN_SCALING=opt.token_scaling, BLOCK=cfg.block, ASM=asm,
+        num_warps=cfg.num_warps)
     return out

@@ -1,4 +1,4 @@
-"""Gradients handed to autodiff: dtype(float32(grad) * g), in one pass. Twin: fce_torch/grad_scale.py."""
+"""Gradients handed to autodiff: dtype(float32(grad) * g), in one pass. Twin: fce_torch/kernels/grad_scale.py."""
 import jax.numpy as jnp
 
 

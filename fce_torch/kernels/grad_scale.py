@@ -1,11 +1,11 @@
-"""Gradients handed to autograd: dtype(float32(grad) * g), in one pass. Twin: fce_jax/grad_scale.py."""
+"""Gradients handed to autograd: dtype(float32(grad) * g), in one pass. Twin: fce_jax/kernels/grad_scale.py."""
 import torch
 import triton
 import triton.language as tl
 
-from . import fastmath as fm
+from fce_core.config import GRAD_SCALE
 
-BLOCK = 4096
+from . import fastmath as fm
 
 
 @triton.jit
@@ -17,7 +17,7 @@ def _scale_cast_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr, ASM: tl.
     tl.store(dst_ptr + offs, fm.to_dtype(v * g, dst_ptr.dtype.element_ty, ASM), mask=ok)
 
 
-def as_grad(grad, dtype, g=None):
+def as_grad(grad, dtype, g=None, cfg=GRAD_SCALE):
     """A new tensor dtype(float32(grad) * g) (exact when g == 1); `grad` is untouched, so a second backward
     (retain_graph=True) starts from the same saved values. Without g: grad rounded to dtype."""
     if grad is None:
@@ -27,8 +27,8 @@ def as_grad(grad, dtype, g=None):
     out = torch.empty(grad.shape, device=grad.device, dtype=dtype)
     n = grad.numel()
     if n:
-        _scale_cast_kernel[(triton.cdiv(n, BLOCK),)](grad.contiguous(), out, g.to(torch.float32).reshape(1), n,
-                                                    BLOCK=BLOCK, ASM=fm.ASM, num_warps=8)
+        _scale_cast_kernel[(triton.cdiv(n, cfg.block),)](grad.contiguous(), out, g.to(torch.float32).reshape(1),
+                                                        n, BLOCK=cfg.block, ASM=fm.ASM, num_warps=cfg.num_warps)
     return out
 
 

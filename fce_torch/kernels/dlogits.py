@@ -1,10 +1,11 @@
-"""Pass B over a chunk of float32 logits: dZ = (a p + b onehot(y) + c w) (x softcap derivative), a later
-per-row scale of kept dZ rows, and db.
+"""Pass B over a chunk of float32 logits: dZ = a p + b [c == y] + c w_c (+ d p (z - mu)), times the derivative of
+the logit transform; a later per-row scale of kept dZ rows; and db.
 
-The dZ kernel walks each block of rows left to right, so it may write its output into the logits' own
-memory (a 16-bit dZ row occupies the first half of its float32 row): every write lands on columns this
-program has already read, once a barrier has made sure that all of its warps have read the current block
-(`IN_PLACE`). Twin: fce_jax/dlogits.py.
+p = softmax(z) comes from the row's lse; the entropy term (d, mu = E[z]) is compiled in only when a head asks
+for it. The dZ kernel walks each block of rows left to right, so it may write its output into the logits' own
+memory (a 16-bit dZ row occupies the first half of its float32 row): every write lands on columns this program
+has already read, once a barrier has made sure that all of its warps have read the current block (`IN_PLACE`).
+Twin: fce_jax/kernels/dlogits.py.
 """
 import torch
 import triton
@@ -12,14 +13,15 @@ import triton.language as tl
 
 from . import fastmath as fm
 from .fastmath import LOG2E
-from .row_stats import BLOCK_ROWS, BLOCK_V, logit_transform
+from .row_stats import logit_transform, row_pass
 
 
 @triton.jit
 def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr, lse_ptr, a_ptr, b_ptr, c_ptr,
-                    n_rows, V, softcap,
-                    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-                    IN_PLACE: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, ASM: tl.constexpr):
+                    d_ptr, mu_ptr, n_rows, V, softcap, temperature,
+                    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+                    HAS_CW: tl.constexpr, HAS_ENTROPY: tl.constexpr, IN_PLACE: tl.constexpr,
+                    BR: tl.constexpr, BV: tl.constexpr, ASM: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
@@ -28,6 +30,9 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
     a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
     b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
     c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_ENTROPY:
+        d = tl.load(d_ptr + rows, mask=row_ok, other=0.0)
+        mu = tl.load(mu_ptr + rows, mask=row_ok, other=0.0)
     cols0 = tl.arange(0, BV)
     for start in range(0, V, BV):
         cols = start + cols0
@@ -36,7 +41,7 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
         r = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
         if HAS_BIAS:
             r = r + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z, t = logit_transform(r, softcap, HAS_SOFTCAP, ASM)
+        z, t = logit_transform(r, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, ASM)
         p = fm.ex2((z - lse[:, None]) * LOG2E, ASM)
         dz = fm.fma(a[:, None], p, tl.where(cols[None, :] == y[:, None], b[:, None], 0.0), ASM)
         if HAS_CW:
@@ -44,8 +49,12 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
             dz = fm.fma(c[:, None], w[None, :], dz, ASM)
         else:
             dz = dz + c[:, None]
+        if HAS_ENTROPY:
+            dz = fm.fma(fm.mul(d[:, None], p, ASM), z - mu[:, None], dz, ASM)
         if HAS_SOFTCAP:
             dz = fm.mul(dz, fm.fma(-t, t, 1.0, ASM), ASM)
+        if HAS_TEMP:
+            dz = fm.div(dz, temperature, ASM)
         if IN_PLACE:
             tl.debug_barrier()
         tl.store(dz_ptr + rows64[:, None] * stride_dz + cols[None, :], fm.to_dtype(dz, dz_ptr.dtype.element_ty, ASM),
@@ -75,32 +84,40 @@ def _bias_grad_kernel(dz_ptr, stride_dz, db_ptr, n_rows, V, BV: tl.constexpr):
     tl.store(db_ptr + cols, acc, mask=col_ok)
 
 
-def dlogits(z, dz, bias, y, class_weights, lse, a, b, c, *, softcap, asm):
-    """Write dZ for the float32 logits `z` [n, V] into `dz` [n, V] (may alias z's memory, see above)."""
+def dlogits(z, dz, bias, y, class_weights, coef, *, transform, asm, cfg=None):
+    """Write dZ for the float32 logits `z` [n, V] into `dz` [n, V] (may alias z's memory, see above).
+    `coef`: the head's per-row float32 lse, a, b, c, and d, mu when it has an entropy term."""
+    cfg = row_pass(cfg)
     n, V = z.shape
     if n == 0:
         return
-    _dlogits_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
+    entropy = "d" in coef
+    _dlogits_kernel[(triton.cdiv(n, cfg.block_rows),)](
         z, z.stride(0), dz, dz.stride(0), bias if bias is not None else z, y,
-        class_weights if class_weights is not None else z, lse, a, b, c,
-        n, V, float(softcap or 1.0),
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_CW=class_weights is not None,
-        IN_PLACE=dz.data_ptr() == z.data_ptr() and dz.dtype != z.dtype, BR=BLOCK_ROWS, BV=BLOCK_V, ASM=asm,
-        num_warps=4)
+        class_weights if class_weights is not None else z, coef["lse"], coef["a"], coef["b"], coef["c"],
+        coef["d"] if entropy else z, coef["mu"] if entropy else z,
+        n, V, float(transform.softcap or 1.0), float(transform.temperature),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, HAS_TEMP=transform.has_temperature,
+        HAS_CW=class_weights is not None, HAS_ENTROPY=entropy,
+        IN_PLACE=dz.data_ptr() == z.data_ptr() and dz.dtype != z.dtype, BR=cfg.block_rows, BV=cfg.block_v,
+        ASM=asm, num_warps=cfg.num_warps)
 
 
-def scale_rows(dz, scale):
+def scale_rows(dz, scale, cfg=None):
     """dz [n, V] *= scale [n] (float32) row by row, in place, rounded once to dz's dtype."""
+    cfg = row_pass(cfg)
     n, V = dz.shape
     if n == 0:
         return
-    _scale_rows_kernel[(triton.cdiv(n, BLOCK_ROWS), triton.cdiv(V, BLOCK_V))](
-        dz, dz.stride(0), scale, n, V, BR=BLOCK_ROWS, BV=BLOCK_V, ASM=fm.ASM, num_warps=4)
+    _scale_rows_kernel[(triton.cdiv(n, cfg.block_rows), triton.cdiv(V, cfg.block_v))](
+        dz, dz.stride(0), scale, n, V, BR=cfg.block_rows, BV=cfg.block_v, ASM=fm.ASM, num_warps=cfg.num_warps)
 
 
-def accumulate_bias_grad(dz, db):
+def accumulate_bias_grad(dz, db, cfg=None):
     """db [V] float32 += column sums of dz [n, V], adding the rows in order (deterministic)."""
+    cfg = row_pass(cfg)
     n, V = dz.shape
     if n == 0:
         return
-    _bias_grad_kernel[(triton.cdiv(V, BLOCK_V),)](dz, dz.stride(0), db, n, V, BV=BLOCK_V, num_warps=4)
+    _bias_grad_kernel[(triton.cdiv(V, cfg.block_v),)](dz, dz.stride(0), db, n, V, BV=cfg.block_v,
+                                                      num_warps=cfg.num_warps)

@@ -1,15 +1,16 @@
 """The elementwise float32 operations whose bits the two twins must share (see docs/NUMERICS.md).
 
 On the GPU each one is a single PTX instruction emitted as inline assembly, so no compiler can contract,
-re-associate or substitute it; `fce_torch/fastmath.py` emits the same instructions. Pallas interpret mode has
+re-associate or substitute it; `fce_torch/kernels/fastmath.py` emits the same instructions. Pallas interpret mode has
 no inline assembly: there (`asm=False`) the same formulas run with plain operations.
 """
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from fce_core.config import LN2, LOG2E, TANH_C3, TANH_C5, TANH_C7, TANH_POLY_BELOW
+
+__all__ = ["LN2", "LOG2E", "ex2", "lg2", "mul", "div", "fma", "tanh"]
 
 
 def _asm(op, *args):
@@ -50,10 +51,10 @@ def fma(x, y, z, asm):
 def tanh(u, asm):
     """tanh(u): an odd polynomial below |u| = 0.125, else (1 - e) / (1 + e) with e = 2**(-2|u| log2 e)."""
     u2 = mul(u, u, asm)
-    poly = fma(u2, -0.05396825396825397, 0.13333333333333333, asm)
-    poly = fma(u2, poly, -0.3333333333333333, asm)
+    poly = fma(u2, TANH_C7, TANH_C5, asm)
+    poly = fma(u2, poly, TANH_C3, asm)
     small = fma(u, mul(poly, u2, asm), u, asm)
     e = ex2(mul(jnp.abs(u), -2.0 * LOG2E, asm), asm)
     big = div(1.0 - e, 1.0 + e, asm)
     big = jnp.where(u < 0.0, -big, big)
-    return jnp.where(jnp.abs(u) < 0.125, small, big)
+    return jnp.where(jnp.abs(u) < TANH_POLY_BELOW, small, big)

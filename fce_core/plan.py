@@ -1,0 +1,111 @@
+"""The one planner: how the rows are cut into chunks, where dZ lives, and which chunks run.
+
+A `Plan` fixes, from shapes alone (so a traced JAX program and an eager torch call plan alike):
+- ``rows``: rows per chunk (the first chunk of a group takes the remainder, so the chunks after it are full);
+- ``keep_dz``: keep every chunk's dZ ([rows of the group, V] in the input dtype) for one dX and one dW GEMM
+  after the group's last chunk, instead of a float32 [V, H] dW accumulator that every chunk reads and writes;
+- ``group_rows``: groups of whole preference pairs (CPO whose dZ does not fit at once), or None for one group.
+The chunks that hold only ignored rows (once the valid rows come first) need not run: `chunks_to_run`.
+"""
+from dataclasses import dataclass
+
+from .config import BUDGET, BudgetConfig
+
+
+def chunk_rows(n_rows: int, vocab: int, requested: int | None = None, budget: int = BUDGET.logits,
+               row_multiple: int = BUDGET.row_multiple) -> int:
+    """Rows per chunk: `requested` if given, else the largest multiple of `row_multiple` whose float32
+    logits fit in `budget` bytes (at least one multiple); never more than `n_rows` (and at least 1)."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {requested}")
+        rows = requested
+    else:
+        rows = max(row_multiple, budget // (4 * max(vocab, 1)) // row_multiple * row_multiple)
+    return max(1, min(n_rows, rows))
+
+
+def layout(n_rows: int, rows: int) -> tuple[int, int]:
+    """(rows of the first piece, number of pieces) for pieces of `rows` rows, the first taking the remainder
+    (1 to `rows` rows, 0 when there are none)."""
+    n = max(1, -(-n_rows // rows))
+    return n_rows - (n - 1) * rows, n
+
+
+def bounds(n_rows: int, rows: int) -> list[tuple[int, int]]:
+    """[(start, stop)] of the pieces of `layout`."""
+    first, n = layout(n_rows, rows)
+    return [(0, first)] + [(first + (i - 1) * rows, first + i * rows) for i in range(1, n)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    n_rows: int
+    rows: int
+    keep_dz: bool = False
+    group_rows: int | None = None
+
+    @property
+    def groups(self) -> list[tuple[int, int]]:
+        """[(start, stop)] of the groups (one group of all rows without `group_rows`)."""
+        return [(0, self.n_rows)] if self.group_rows is None else bounds(self.n_rows, self.group_rows)
+
+    def chunks(self, group_size: int) -> list[tuple[int, int]]:
+        """[(start, stop)] of the chunks of a group of `group_size` rows, relative to the group."""
+        return bounds(group_size, self.rows)
+
+    def single_product(self, need_grads: bool) -> bool:
+        """Whether one GEMM computes dW (one group, and its dZ kept or one chunk): dW is then written in the
+        weight's dtype, else accumulated in float32."""
+        keep = self.keep_dz and need_grads
+        return self.group_rows is None and (keep or layout(self.n_rows, self.rows)[1] == 1)
+
+    def chunks_to_run(self, n_valid: int) -> int:
+        """The chunks of the single group that hold any of `n_valid` valid rows once those come first (the
+        first chunk always runs)."""
+        first, n_chunks = layout(self.n_rows, self.rows)
+        return 1 + min(n_chunks - 1, max(0, -((first - n_valid) // self.rows)))
+
+
+def plan_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool, need_dw: bool,
+              requested: int | None = None, budget: BudgetConfig = BUDGET) -> Plan:
+    """The plan of a row loss (FLCE, token log-probs): dZ is kept when gradients are asked, there are several
+    chunks and all rows' dZ is no larger than the float32 dW accumulator it replaces (N * itemsize <= 4 H)."""
+    rows = chunk_rows(n_rows, vocab, requested, budget.logits, budget.row_multiple)
+    keep = need_grads and need_dw and rows < n_rows and n_rows * itemsize <= 4 * hidden
+    if keep and requested is None:
+        rows = chunk_rows(n_rows, vocab, None, budget.kept_logits, budget.row_multiple)
+    return Plan(n_rows, rows, keep)
+
+
+def plan_pairs(n_pairs: int, seq_len: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,
+               need_dw: bool, requested: int | None = None, budget: BudgetConfig = BUDGET) -> Plan:
+    """The plan of a preference loss over 2 * n_pairs sequences of seq_len rows. Its dZ is always kept when
+    gradients are asked (a pair's coefficients need all its rows): in one group when the row plan keeps it
+    (or without gradients), else in groups of whole pairs of at most one chunk's rows, with chunks of the
+    grouped budget over each group and dW accumulated over the groups."""
+    n_rows = 2 * n_pairs * seq_len
+    base = plan_rows(n_rows, hidden, vocab, itemsize, need_grads=need_grads, need_dw=need_dw,
+                     requested=requested, budget=budget)
+    if not need_grads or base.keep_dz:
+        return base
+    per_group = pairs_per_group(n_pairs, seq_len, base.rows)
+    group_rows = 2 * per_group * seq_len
+    rows = chunk_rows(group_rows, vocab, requested, budget.grouped_logits, budget.row_multiple)
+    return Plan(n_rows, rows, True, None if per_group >= n_pairs else group_rows)
+
+
+def pairs_per_group(n_pairs: int, seq_len: int, rows: int) -> int:
+    """Whole pairs in a group of at most `rows` rows (at least one pair, at most all)."""
+    return min(n_pairs, max(1, rows // (2 * seq_len)))
+
+
+def pair_order(n_pairs: int, seq_len: int, plan: Plan) -> list[int] | None:
+    """The sequence permutation that puts each group's sequences together (its chosen sequences, then its
+    rejected ones), groups placed as `Plan.groups` places them; None with one group."""
+    if plan.group_rows is None:
+        return None
+    order = []
+    for g0, g1 in bounds(n_pairs, plan.group_rows // (2 * seq_len)):
+        order += list(range(g0, g1)) + list(range(n_pairs + g0, n_pairs + g1))
+    return order

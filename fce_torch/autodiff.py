@@ -1,0 +1,98 @@
+"""The engine's sweeps as torch custom ops, each with its fake (meta) function and its autograd formula, so
+that autograd, ``torch.compile`` (``fullgraph=True``, no graph break) and CUDA graphs treat them as opaque.
+
+Two shapes of autograd, as in fce_jax/autodiff.py:
+- *precomputed* (`register_precomputed`): the forward sweep of a scalar loss also computes dX, dW, db and the
+  op returns them as its last outputs (empty when not asked for); the backward only scales them by the
+  cotangent (`scaled_grad`, one rounding, a new tensor, so a second backward starts from the same values);
+- *recompute* (`register_recompute`): the forward computes the outputs only; the backward calls a gradient op
+  that sweeps again with the cotangents of the outputs, row by row.
+
+Op bodies turn autocast off (the caller has already cast the operands: eager and compiled calls then run the
+same kernels), and only op bodies synchronize with the host (the optional target check).
+"""
+import torch
+
+from .kernels.grad_scale import as_grad
+
+F32 = torch.float32
+
+
+@torch.library.custom_op("fce::scaled_grad", mutates_args=())
+def scaled_grad(grad: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dtype(float32(grad) * g) as a new tensor."""
+    with torch.autocast(grad.device.type, enabled=False):
+        return as_grad(grad, dtype, g)
+
+
+@scaled_grad.register_fake
+def _(grad, g, dtype):
+    return grad.new_empty(grad.shape, dtype=dtype)
+
+
+def absent(like):
+    """The stand-in an op returns for a gradient nobody asked for (ops return tensors only)."""
+    return like.new_empty((0,))
+
+
+def _present(t, shape):
+    return t is not None and shape is not None and tuple(t.shape) == tuple(shape)
+
+
+def register_precomputed(op, n_outputs):
+    """Autograd of `op` whose inputs start with (x, w, bias) and whose outputs are (loss, n_outputs - 1
+    outputs without gradient, dx, dw, db): the gradients of the scalar loss, computed in the forward."""
+
+    def setup_context(ctx, inputs, output):
+        x, w, bias = inputs[:3]
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*output[n_outputs:])
+        ctx.shapes = (x.shape, w.shape, None if bias is None else bias.shape)
+        ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
+        ctx.n_inputs = len(inputs)
+
+    def backward(ctx, g_loss, *unused):
+        saved = ctx.saved_tensors
+        g = torch.zeros((), device=saved[0].device, dtype=F32) if g_loss is None else g_loss.to(F32)
+        grads = [scaled_grad(t, g, dt) if _present(t, shape) else None
+                 for t, shape, dt in zip(saved, ctx.shapes, ctx.dtypes)]
+        return (*grads, *([None] * (ctx.n_inputs - 3)))
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def register_recompute(op, differentiable, grads):
+    """Autograd of `op` whose inputs start with (x, w, bias): `differentiable(*inputs)` gives the indices of
+    the outputs that carry a gradient (the others are marked non-differentiable), and the backward returns
+    `grads(inputs, cotangents, needs)` for (x, w, bias): `cotangents` maps those indices to the outputs'
+    cotangents (None when unused), `needs` says which of the three autograd asks for."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.keep = differentiable(*inputs)
+        ctx.mark_non_differentiable(*(o for i, o in enumerate(output) if i not in ctx.keep))
+        ctx.set_materialize_grads(False)
+        ctx.slots = [isinstance(a, torch.Tensor) for a in inputs]
+        ctx.values = [None if slot else a for a, slot in zip(inputs, ctx.slots)]
+        ctx.save_for_backward(*(a for a, slot in zip(inputs, ctx.slots) if slot))
+
+    def backward(ctx, *cotangents):
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved) if slot else a for a, slot in zip(ctx.values, ctx.slots)]
+        needs = [bool(n) for n in ctx.needs_input_grad[:3]]
+        dx, dw, db = grads(inputs, {i: cotangents[i] for i in ctx.keep}, needs)
+        return (*(t if need else None for t, need in zip((dx, dw, db), needs)), *([None] * (len(inputs) - 3)))
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def finish_grads(dx, dw, db, x, w, bias, needs):
+    """The gradients of a recompute op in their parameters' dtypes, the unasked ones as `absent`."""
+    return (as_grad(dx, x.dtype) if needs[0] else absent(x), as_grad(dw, w.dtype) if needs[1] else absent(x),
+            as_grad(db, bias.dtype) if needs[2] and bias is not None else absent(x))
+
+
+def grads_fake(x, w, bias, needs):
+    """The fake outputs of a gradient op."""
+    return (x.new_empty(x.shape) if needs[0] else absent(x), w.new_empty(w.shape) if needs[1] else absent(x),
+            bias.new_empty(bias.shape) if needs[2] and bias is not None else absent(x))
