@@ -1,4 +1,4 @@
-"""Command line: ``python -m bench {op,sft,cpo} [--smoke] [--shape N,H,V|anchors]... [--impl NAME]...
+"""Command line: ``python -m bench {op,sft,cpo,logprobs} [--smoke] [--shape N,H,V|anchors]... [--impl NAME]...
 [--out DIR] [--reps K] [--warmup K]``; ``sft`` also takes ``--profile`` (where the step time goes).
 
 Progress goes to stderr (one line per cell), the final table to stdout, and JSON + Markdown + PNG files to
@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="also run a body_only ablation (no LM head, no loss) per framework and profile each "
                           "torch run's kernels by category (GEMM, attention, loss, optimizer, other)")
     sub.add_parser("cpo", parents=[common], help="the fused linear CPO preference loss")
+    sub.add_parser("logprobs", parents=[common], help="per-token log-probs and entropy, forward+backward")
     return parser
 
 
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import sft as mod
 
         result = mod.run(settings, progress, profile=args.profile)
+    elif args.bench == "logprobs":
+        from bench import logprobs as mod
+
+        result = mod.run(settings, progress)
     else:
         from bench import cpo as mod
 

@@ -133,3 +133,41 @@ def run_cell(rows: list[dict], progress: Progress, label: str, measure, **row) -
         row["note"] = done = short_error(exc)
     rows.append(row)
     progress.log(f"{label}  {done}")
+
+
+def implementations(registry: str, settings: Settings, progress: Progress, **kwargs):
+    """(torch implementations, the impls_jax module or None, JAX implementations, notes) of a registry name
+    (``FLCE``, ``CPO``, ``LOGPROBS`` of bench/impls_torch.py and bench/impls_jax.py); what cannot run is in
+    the notes, logged."""
+    from bench import impls_torch
+
+    notes: dict[str, str] = {}
+    torch_impls = available(getattr(impls_torch, registry), settings, notes, **kwargs)
+    try:
+        from bench import impls_jax
+    except Exception as exc:
+        impls_jax, jax_impls = None, {}
+        notes["jax"] = short_error(exc)
+    else:
+        jax_impls = available(getattr(impls_jax, registry), settings, notes, **kwargs)
+    for name, why in notes.items():
+        progress.log(f"{registry.lower()}: skipping {name}: {why}")
+    return torch_impls, impls_jax, jax_impls, notes
+
+
+def fce_logprobs(module: str):
+    """A builder of ``rows(x, w, t) -> (logp, entropy)`` by ``module.fused_token_logprobs``."""
+    def build(settings: Settings):
+        fused_token_logprobs = guarded_import(module, "fused_token_logprobs")
+        return lambda x, w, t: fused_token_logprobs(x, w, t, return_entropy=True)
+
+    return build
+
+
+def fce_none_rows(module: str):
+    """A builder of ``rows(x, w, t) -> (-logp, None)`` by ``module.fused_lce(reduction="none")``."""
+    def build(settings: Settings):
+        fused_lce = guarded_import(module, "fused_lce")
+        return lambda x, w, t: (fused_lce(x, w, t, reduction="none"), None)
+
+    return build

@@ -11,7 +11,7 @@ error: fce keeps the logits in float32).
 from __future__ import annotations
 
 from bench import impls_torch, report
-from bench.common import Progress, Settings, available, meta, rel_diff, run_cell, short_error
+from bench.common import Progress, Settings, implementations, meta, rel_diff, run_cell
 from bench.timing import free_torch_cache, measure_jax, measure_torch
 
 PAIRS, T, H, V = (2, 4, 8), 1024, 4096, 128256
@@ -25,7 +25,7 @@ COLUMNS = [
     report.Column("impl", "impl"),
     report.Column("ms", "ms", report.ms),
     report.Column("x_liger", "xLiger", report.ratio),
-    report.Column("extra_gib", "extra GiB", report.gib),
+    report.Column("extra_gib", "peak GiB", report.gib),
     report.Column("loss", "loss", lambda v: f"{v:.5f}"),
     report.Column("dloss", "dloss", report.rel),
     report.Column("note", "note"),
@@ -33,7 +33,8 @@ COLUMNS = [
 PLOTS = [
     report.Plot("cpo_time", "B", "ms", "median time (ms)", "fused linear CPO, forward+backward, bf16",
                 panel=("T", "H", "V")),
-    report.Plot("cpo_memory", "B", "extra_gib", "peak extra memory (GiB)", "fused linear CPO, forward+backward",
+    report.Plot("cpo_memory", "B", "extra_gib", "peak memory over the inputs, gradients included (GiB)",
+                "fused linear CPO, forward+backward",
                 panel=("T", "H", "V")),
 ]
 
@@ -48,26 +49,15 @@ def _compare(rows: list[dict]) -> None:
 
 def run(settings: Settings, progress: Progress) -> dict:
     pairs, t, h, v = (SMOKE_PAIRS, SMOKE_T, SMOKE_H, SMOKE_V) if settings.smoke else (PAIRS, T, H, V)
-    notes: dict[str, str] = {}
-    torch_losses = available(impls_torch.CPO, settings, notes, beta=BETA, alpha=ALPHA)
-    try:
-        from bench import impls_jax
-    except Exception as exc:
-        impls_jax, jax_losses = None, {}
-        notes["jax"] = short_error(exc)
-    else:
-        jax_losses = available(impls_jax.CPO, settings, notes, beta=BETA, alpha=ALPHA)
-    for name, why in notes.items():
-        progress.log(f"cpo: skipping {name}: {why}")
+    torch_losses, impls_jax, jax_losses, notes = implementations("CPO", settings, progress, beta=BETA, alpha=ALPHA)
 
     rows: list[dict] = []
     for b in pairs:
         cell = dict(B=b, T=t, H=h, V=v)
         sets = impls_torch.make_inputs((2 * b, t), h, v, sets=INPUT_SETS, settings=settings, ignore_prefix=t // 4)
-        grads = sets[0][0].nbytes + sets[0][1].nbytes
         for name, loss in torch_losses.items():
             run_cell(rows, progress, f"cpo B={b} {name:<10}",
-                     lambda: measure_torch(impls_torch.fwd_bwd(loss), sets, out_bytes=grads, settings=settings),
+                     lambda: measure_torch(impls_torch.fwd_bwd(loss), sets, settings=settings),
                      impl=name, framework="torch", **cell)
             free_torch_cache(settings)
         del sets

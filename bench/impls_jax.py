@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from bench.common import Settings, Unavailable, guarded_import
+from bench.common import Settings, Unavailable, fce_logprobs, fce_none_rows, guarded_import
 
 IGNORE = -100
 Loss = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -64,6 +64,30 @@ def fwd_bwd(loss: Loss) -> Callable:
 
 def loss_only(loss: Loss) -> Callable:
     return loss
+
+
+# --- per-token log-probabilities and entropy -------------------------------------------------------------
+
+
+def naive_logprobs(settings: Settings):
+    def rows(x, w, t):
+        logp = jax.nn.log_softmax(jnp.dot(x, w.T).astype(jnp.float32), axis=-1)
+        tok = jnp.take_along_axis(logp, jnp.maximum(t, 0)[..., None], axis=-1)[..., 0]
+        return jnp.where(t != IGNORE, tok, 0.0), -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+    return rows
+
+
+LOGPROBS = {"fce_jax": fce_logprobs("fce_jax"), "fce_jax_none": fce_none_rows("fce_jax"), "jax_naive": naive_logprobs}
+
+
+def fwd_bwd_rows(rows: Callable) -> Callable:
+    """``jax.value_and_grad`` of ``sum(logp * g + entropy * h)`` w.r.t. x and weight (g, h: arguments)."""
+    def total(x, w, t, g, h):
+        logp, ent = rows(x, w, t)
+        return jnp.sum(logp * g) if ent is None else jnp.sum(logp * g + ent * h)
+
+    return jax.value_and_grad(total, argnums=(0, 1))
 
 
 # --- fused linear CPO -----------------------------------------------------------------------------------

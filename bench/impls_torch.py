@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.common import Settings, Unavailable, guarded_import
+from bench.common import Settings, Unavailable, fce_logprobs, fce_none_rows, guarded_import
 
 IGNORE = -100
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -95,6 +95,48 @@ def three_gemm(x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor) -> None:
 def logits_gemm(x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor) -> None:
     """The floor of the loss alone: the logits GEMM."""
     _mm_f32(x, w.T)
+
+
+# --- per-token log-probabilities and entropy -------------------------------------------------------------
+# A builder returns ``rows(x, weight, targets) -> (logp, entropy)`` ([N] float32 each); fce's "none" CE rows
+# (-logp, no entropy) ride along as the time that fused_token_logprobs is compared with.
+
+
+def naive_logprobs(settings: Settings):
+    """The plain computation: bf16 logits, upcast, ``log_softmax``, gather, entropy."""
+    def rows(x, w, t):
+        logp = F.linear(x, w).float().log_softmax(-1)
+        tok = logp.gather(-1, t.clamp_min(0)[..., None])[..., 0]
+        return torch.where(t != IGNORE, tok, 0.0), -(logp.exp() * logp).sum(-1)
+
+    return rows
+
+
+def trl_logprobs(settings: Settings):
+    raise Unavailable("trl is not installed here" if not _importable("trl") else
+                      "trl's fused LM head has no stable public entry point in the pinned version")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+LOGPROBS = {"fce_torch": fce_logprobs("fce_torch"), "fce_torch_none": fce_none_rows("fce_torch"),
+            "torch_naive": naive_logprobs, "trl": trl_logprobs}
+
+
+def fwd_bwd_rows(rows: Callable, g: torch.Tensor, h: torch.Tensor) -> Callable:
+    """Forward, then backward of ``sum(logp * g + entropy * h)`` (random cotangents) into x and weight."""
+
+    def run(x, w, t):
+        logp, ent = rows(x, w, t)
+        total = (logp * g).sum() if ent is None else (logp * g + ent * h).sum()
+        total.backward()
+        return total.detach()
+
+    return run
 
 
 # --- fused linear CPO -----------------------------------------------------------------------------------

@@ -4,13 +4,14 @@ Every implementation runs forward+backward (gradients w.r.t. ``x`` and ``weight`
 ``(N, H, V)``. The reference line ``cublas_3gemm`` is the three bf16 GEMMs of forward+backward (logits with a
 float32 output, ``dX = dZ W``, ``dW = dZᵀ x``) timed as one closure in the same process, and the logits GEMM
 alone for loss-only; ratios are to it (``x3gemm``) and to Liger's default (``xLiger``). ``dloss`` is the relative
-difference of the loss from the plain full-logits loss of the same framework on the same inputs.
+difference of the loss from the plain full-logits loss of the same framework on the same inputs. ``peak GiB``
+is the peak over what was allocated before the call, the gradients included (bench/timing.py), alike for all.
 """
 
 from __future__ import annotations
 
 from bench import impls_torch, report
-from bench.common import Progress, Settings, available, meta, rel_diff, run_cell, short_error
+from bench.common import Progress, Settings, implementations, meta, rel_diff, run_cell
 from bench.timing import free_torch_cache, measure_jax, measure_torch
 
 ANCHORS = [(1024, 4096, 128256), (4096, 4096, 128256), (16384, 4096, 128256), (8192, 896, 151936),
@@ -25,7 +26,7 @@ COLUMNS = [
     report.Column("ms", "ms", report.ms),
     report.Column("x_ref", "x3gemm", report.ratio),
     report.Column("x_liger", "xLiger", report.ratio),
-    report.Column("extra_gib", "extra GiB", report.gib),
+    report.Column("extra_gib", "peak GiB", report.gib),
     report.Column("dloss", "dloss", report.rel),
     report.Column("note", "note"),
 ]
@@ -34,7 +35,8 @@ PLOTS = [
                 where=(("mode", "fwd+bwd"),)),
     report.Plot("op_time_loss", "N", "ms", "median time (ms)", "loss only, bf16", panel=("H", "V"),
                 where=(("mode", "loss"),)),
-    report.Plot("op_memory", "N", "extra_gib", "peak extra memory (GiB)", "forward+backward, bf16",
+    report.Plot("op_memory", "N", "extra_gib", "peak memory over the inputs, gradients included (GiB)",
+                "forward+backward, bf16",
                 panel=("H", "V"), where=(("mode", "fwd+bwd"),)),
 ]
 
@@ -49,17 +51,15 @@ def _torch_cells(shape, losses: dict, settings: Settings, progress: Progress) ->
     n, h, v = shape
     rows: list[dict] = []
     sets = impls_torch.make_inputs((n,), h, v, sets=INPUT_SETS, settings=settings)
-    grads = sets[0][0].nbytes + sets[0][1].nbytes  # dX and dW, returned anyway
     dz = impls_torch.grad_cotangent(n, v, settings)
     ref_sets = [(x.detach(), w.detach(), dz) for x, w, _ in sets]
-    for mode, closure, out in (("fwd+bwd", impls_torch.three_gemm, grads), ("loss", impls_torch.logits_gemm, 0)):
-        _cell(rows, progress, lambda: measure_torch(closure, ref_sets, out_bytes=out, settings=settings),
+    for mode, closure in (("fwd+bwd", impls_torch.three_gemm), ("loss", impls_torch.logits_gemm)):
+        _cell(rows, progress, lambda: measure_torch(closure, ref_sets, settings=settings),
               impl=REFERENCE, framework="torch", shape=shape, mode=mode)
     del ref_sets, dz
     for name, loss in losses.items():
-        for mode, closure, out in (("fwd+bwd", impls_torch.fwd_bwd(loss), grads),
-                                   ("loss", impls_torch.loss_only(loss), 0)):
-            _cell(rows, progress, lambda: measure_torch(closure, sets, out_bytes=out, settings=settings),
+        for mode, closure in (("fwd+bwd", impls_torch.fwd_bwd(loss)), ("loss", impls_torch.loss_only(loss))):
+            _cell(rows, progress, lambda: measure_torch(closure, sets, settings=settings),
                   impl=name, framework="torch", shape=shape, mode=mode)
             free_torch_cache(settings)
     return rows
@@ -92,17 +92,7 @@ def _compare(rows: list[dict]) -> None:
 
 
 def run(settings: Settings, shapes: list[tuple[int, int, int]], progress: Progress) -> dict:
-    notes: dict[str, str] = {}
-    torch_losses = available(impls_torch.FLCE, settings, notes)
-    try:
-        from bench import impls_jax
-    except Exception as exc:
-        impls_jax, jax_losses = None, {}
-        notes["jax"] = short_error(exc)
-    else:
-        jax_losses = available(impls_jax.FLCE, settings, notes)
-    for name, why in notes.items():
-        progress.log(f"op: skipping {name}: {why}")
+    torch_losses, impls_jax, jax_losses, notes = implementations("FLCE", settings, progress)
 
     rows: list[dict] = []
     for shape in shapes:

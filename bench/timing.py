@@ -4,13 +4,13 @@ Both take several input sets and rotate through them, so that no repetition reus
 from cache, and both warm up first (compilation, autotuning) outside of what they report.
 
 - torch on CUDA: each repetition is bracketed by CUDA events (device time, launch gaps included); gradients are
-  dropped (``.grad = None``) before every call, so each call allocates fresh gradient buffers. Peak extra memory
-  is ``max_memory_allocated()`` during one call minus what was allocated before it (the inputs) minus
-  ``out_bytes`` (the gradients that the call must return anyway).
+  dropped (``.grad = None``) before every call, so each call allocates fresh gradient buffers. Peak memory is
+  ``max_memory_allocated()`` during one call minus what was allocated before it (the inputs): the gradients
+  count, as everything else the call allocates does, for every implementation alike.
 - torch on CPU: wall clock per call; no memory figure.
 - JAX: ``jax.jit(f).lower(...).compile()`` once, warm-up, then wall clock of each call until
-  ``block_until_ready``; the extra memory is the compiled program's temp buffers (``memory_analysis()``), which
-  excludes its arguments and outputs. No memory figure on the CPU backend.
+  ``block_until_ready``; the memory is the compiled program's temp buffers plus its outputs (the gradients)
+  (``memory_analysis()``), its arguments excluded. No memory figure on the CPU backend.
 """
 
 from __future__ import annotations
@@ -74,17 +74,16 @@ class Stopwatch:
         return [start.elapsed_time(end) for start, end in self.marks]
 
 
-def measure_torch(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, out_bytes: int,
-                  settings: Settings) -> Measurement:
+def measure_torch(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, settings: Settings) -> Measurement:
     """Time ``fn(*args)`` over rotating ``arg_sets`` and measure its peak extra memory on the first set."""
     try:
-        return _measure_torch(fn, arg_sets, out_bytes=out_bytes, settings=settings)
+        return _measure_torch(fn, arg_sets, settings=settings)
     finally:  # also after an OOM: leave no gradient behind for the next cell
         for args in arg_sets:
             _clear_grads(args)
 
 
-def _measure_torch(fn, arg_sets, *, out_bytes, settings):
+def _measure_torch(fn, arg_sets, *, settings):
     import torch
 
     cuda = settings.gpu
@@ -103,7 +102,7 @@ def _measure_torch(fn, arg_sets, *, out_bytes, settings):
     value = _scalar(fn(*args))
     if cuda:
         torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base - out_bytes
+        extra = torch.cuda.max_memory_allocated() - base
 
     watch = Stopwatch(cuda)
     for r in range(settings.reps):
@@ -123,7 +122,7 @@ def measure_jax(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, se
     extra = None
     if jax.default_backend() != "cpu":
         stats = compiled.memory_analysis()
-        extra = None if stats is None else int(stats.temp_size_in_bytes)
+        extra = None if stats is None else int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
     k = len(arg_sets)
     for i in range(settings.warmup):
         jax.block_until_ready(compiled(*arg_sets[i % k]))

@@ -27,28 +27,21 @@ class RowPassConfig:
 
 
 @dataclass(frozen=True)
-class HeadConfig:
-    """The per-row head kernels (FLCE, token log-probs): elementwise on rows."""
+class BlockConfig:
+    """An elementwise kernel (the heads and the vocab-parallel merge over rows, the gradient scaling over a
+    flat array): elements per program and warps, speed only."""
     NUMERICS = ()
-    block: int = 1024
+    block: int
     num_warps: int = 4
 
 
 @dataclass(frozen=True)
 class PairConfig:
-    """The CPO pair kernel: pairs per program, tokens per step (elementwise: speed only)."""
+    """The CPO pair kernel: pairs per program and tokens per step (elementwise: speed only)."""
     NUMERICS = ()
     block_pairs: int = 16
     block_t: int = 256
     num_warps: int = 4
-
-
-@dataclass(frozen=True)
-class GradScaleConfig:
-    """The one-pass cast-and-scale of a saved gradient by the cotangent."""
-    NUMERICS = ()
-    block: int = 4096
-    num_warps: int = 8
 
 
 @dataclass(frozen=True)
@@ -75,9 +68,9 @@ class BudgetConfig:
 ROW_PASS = RowPassConfig()
 # The CPU interpreters pay per program: wider row blocks, the same bits (block_rows is not numerics-bearing).
 ROW_PASS_INTERPRETER = RowPassConfig(block_rows=64)
-HEAD = HeadConfig()
+HEAD = BlockConfig(block=1024)
 PAIRS = PairConfig()
-GRAD_SCALE = GradScaleConfig()
+GRAD_SCALE = BlockConfig(block=4096, num_warps=8)
 GEMM = GemmConfig()
 BUDGET = BudgetConfig()
 

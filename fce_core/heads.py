@@ -3,10 +3,11 @@
 Every head gets, per row of a chunk, the row max ``m``, the sum of exponentials ``s`` (so ``lse``), the exact
 target logit ``zy`` and the first argmax ``amax``. A head may also need
 - ``q`` = sum_c w_c (z_c - z_y), for label smoothing (w_c the class weights, 1 without);
-- ``pz`` = sum_c exp(z_c - m) z_c, for the entropy (E[z] = pz / s).
+- ``pz`` = sum_c exp(z_c - m) (z_c - m), for the entropy (E[z] = m + pz / s).
 The engine computes exactly what the spec asks, nothing else; the dlogits pass has the matching terms.
 """
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -20,3 +21,24 @@ class GradTerms:
     """Which per-row coefficients the dlogits pass reads: dZ = a p + b [c == y] (+ c w_c) (+ d p (z - mu))."""
     smoothing: bool = False  # the c w_c term (label smoothing)
     entropy: bool = False    # the d p (z - mu) term (entropy cotangent)
+
+
+@dataclass(frozen=True)
+class Head:
+    """A loss head: `fn(stats, inputs) -> outputs` per chunk, given the chunk's row statistics (m, s, zy,
+    amax, and those `stats` names) and its rows of the per-row inputs. With gradients its outputs include the
+    coefficients lse, a, b, c (and d, mu for an entropy term) of the dlogits kernels."""
+    fn: Callable
+    stats: StatsSpec = StatsSpec()
+
+
+def flce_head(kernel, opt, scalars, vocab):
+    """The FLCE `Head` of options `opt` on a twin's head `kernel` (kernels/flce_head.py): per-row inputs y,
+    and w_y (class weights), g (loss cotangent), g_lse (lse cotangent) where given; amax passes through."""
+    def fn(stats, inputs):
+        out = kernel(stats, inputs["y"], inputs.get("w_y"), inputs.get("g"), inputs.get("g_lse"), scalars,
+                     opt=opt, vocab=vocab)
+        out["amax"] = stats["amax"]
+        return out
+
+    return Head(fn, StatsSpec(q=opt.label_smoothing > 0))

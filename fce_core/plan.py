@@ -67,26 +67,27 @@ class Plan:
         return 1 + min(n_chunks - 1, max(0, -((first - n_valid) // self.rows)))
 
 
-def plan_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool, need_dw: bool,
+def plan_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,
               requested: int | None = None, budget: BudgetConfig = BUDGET) -> Plan:
     """The plan of a row loss (FLCE, token log-probs): dZ is kept when gradients are asked, there are several
-    chunks and all rows' dZ is no larger than the float32 dW accumulator it replaces (N * itemsize <= 4 H)."""
+    chunks and all rows' dZ is no larger than the float32 dW accumulator it replaces (N * itemsize <= 4 H).
+    Which gradients are asked does not enter (a frozen weight plans like a trained one), so that both twins
+    (fce_jax always computes all three) run the same GEMM shapes."""
     rows = chunk_rows(n_rows, vocab, requested, budget.logits, budget.row_multiple)
-    keep = need_grads and need_dw and rows < n_rows and n_rows * itemsize <= 4 * hidden
+    keep = need_grads and rows < n_rows and n_rows * itemsize <= 4 * hidden
     if keep and requested is None:
         rows = chunk_rows(n_rows, vocab, None, budget.kept_logits, budget.row_multiple)
     return Plan(n_rows, rows, keep)
 
 
 def plan_pairs(n_pairs: int, seq_len: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,
-               need_dw: bool, requested: int | None = None, budget: BudgetConfig = BUDGET) -> Plan:
+               requested: int | None = None, budget: BudgetConfig = BUDGET) -> Plan:
     """The plan of a preference loss over 2 * n_pairs sequences of seq_len rows. Its dZ is always kept when
     gradients are asked (a pair's coefficients need all its rows): in one group when the row plan keeps it
     (or without gradients), else in groups of whole pairs of at most one chunk's rows, with chunks of the
     grouped budget over each group and dW accumulated over the groups."""
     n_rows = 2 * n_pairs * seq_len
-    base = plan_rows(n_rows, hidden, vocab, itemsize, need_grads=need_grads, need_dw=need_dw,
-                     requested=requested, budget=budget)
+    base = plan_rows(n_rows, hidden, vocab, itemsize, need_grads=need_grads, requested=requested, budget=budget)
     if not need_grads or base.keep_dz:
         return base
     per_group = pairs_per_group(n_pairs, seq_len, base.rows)

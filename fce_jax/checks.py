@@ -29,8 +29,8 @@ def _concrete(a):
 
 def check_values(targets, vocab, ignore_index, class_weights=None):
     """Out-of-range targets and non-finite class weights raise ValueError when the values are concrete (under
-    tracing an out-of-range row gives a NaN loss instead)."""
-    if _concrete(targets):
+    tracing an out-of-range row gives a NaN loss instead). vocab None: the range is not known here (a shard)."""
+    if vocab is not None and _concrete(targets):
         t = np.asarray(targets)
         if np.any(((t < 0) | (t >= vocab)) & (t != ignore_index)):
             raise target_error(vocab, ignore_index)

@@ -1,26 +1,28 @@
-"""`fused_cpo_loss`: CPO / SimPO / IPO / hinge preference loss (docs/SPEC.md §3) on the engine.
-
-x [2B, T, H] holds B chosen sequences, then B rejected ones. The FLCE head (mode "none") gives every token's
-L1 = lse - z_y and writes its dZ with unit coefficients; once a group's rows are in, `kernels.cpo_pairs` turns
-each pair's sequence log-probs into its loss and the scale of its tokens' dZ (so dZ is always kept). The plan
-(`fce_core.plan.plan_pairs`) puts all rows in one group when their dZ fits (chunks then cut pairs anywhere and
-the ignored rows are skipped), else groups of whole pairs (sequences permuted group by group: its chosen, then
-its rejected ones), dW accumulating over the groups. Twin: fce_torch/cpo.py.
+"""`fused_cpo_loss` for JAX (docs/SPEC.md §3): the preference loss on the engine with a custom VJP whose
+forward computes the gradients. The sequences of each group of pairs are permuted together when the plan has
+groups (`fce_core.plan.pair_order`) and put back after; the math is fce_torch/cpo.py's (docs/NUMERICS.md,
+"CPO"). Twin: fce_torch/cpo.py.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from fce_core import docs
+from fce_core.docs import doc
 from fce_core.contract import check_cpo_options, check_pair_batch
 from fce_core.options import LOSS_TYPES, CpoOptions, FlceOptions
 from fce_core.plan import pair_order, plan_pairs
 
+from . import sharding
+from .api import match_axes
 from .autodiff import precomputed
 from .checks import check_tensors, check_values, describe
 from .engine import Head, sweep
 from .kernels import cpo_pairs
 from .kernels.flce_head import flce_head
 from .sums import pairwise_sum
+from .vocab_parallel import comm_for
 
 F32 = jnp.float32
 
@@ -51,13 +53,17 @@ def _unpermute(t, order, seqs):
     return t.reshape(seqs)[np.argsort(order)].reshape(t.shape)
 
 
-def run_cpo(opt, x, w, bias, y, *, grads):
-    """`autodiff.precomputed`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db)."""
-    vocab, n_pairs, seq_len = w.shape[0], y.shape[0] // (2 * opt.seq_len), opt.seq_len
+def run_cpo(static, x, w, bias, y, *, grads):
+    """`autodiff.precomputed`'s run: (loss, (chosen/rejected logps and rewards, nll), dx, dw, db). `static` =
+    (CpoOptions, VocabParallel or None)."""
+    opt, vp = static
+    comm = comm_for(vp, w.shape[0])
+    vocab = w.shape[0] if comm is None else comm.vocab
+    n_pairs, seq_len = y.shape[0] // (2 * opt.seq_len), opt.seq_len
     n_chosen = jnp.sum((y[:n_pairs * seq_len] != opt.ignore_index).astype(jnp.int32)).astype(F32)
     scalars = jnp.stack([jnp.asarray(n_pairs, F32), n_chosen, jnp.asarray(vocab, F32)])
-    plan = plan_pairs(n_pairs, seq_len, x.shape[1], vocab, x.dtype.itemsize, need_grads=any(grads),
-                      need_dw=grads[1], requested=opt.chunk_rows)
+    plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.dtype.itemsize,
+                      need_grads=any(grads), requested=opt.chunk_rows)
     order = pair_order(n_pairs, seq_len, plan)
     seqs = (2 * n_pairs, seq_len, x.shape[1])
     if order is not None:
@@ -66,7 +72,7 @@ def run_cpo(opt, x, w, bias, y, *, grads):
     finish = lambda outputs, inputs: _finish_pairs(outputs, inputs, opt=opt, scalars=scalars)  # noqa: E731
     out, dx, dw, db = sweep(x, w, bias, None, _token_head(opt.ignore_index, scalars, vocab), {"y": y}, plan,
                             grads=grads, transform=FlceOptions().transform, ignore_index=opt.ignore_index,
-                            finish=finish)
+                            finish=finish, comm=comm)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
         dx = None if dx is None else _unpermute(dx, order, seqs)
@@ -74,39 +80,30 @@ def run_cpo(opt, x, w, bias, y, *, grads):
     return loss, (out["logp_c"], out["logp_r"], out["reward_c"], out["reward_r"], nll), dx, dw, db
 
 
+@doc(docs.CPO_SUMMARY, docs.CPO_ARGS, framework_args="""\
+    vocab_parallel: a `fce_jax.VocabParallel(axis_name)`, as in `fused_lce`.
+""", returns="""The float32 scalar loss (and the stats dict). Differentiable in ``x``, ``weight`` and ``bias``.""",
+     raises="""ValueError: naming the argument for an odd batch, shape/dtype mismatches, bad options, and
+    out-of-range targets when they are concrete.""")
 def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
-                   loss_type="sigmoid", simpo_gamma=0.5, average_log_prob=None, return_stats=False,
-                   chunk_rows=None):
-    """Fused linear CPO loss (TRL's ``CPOTrainer.cpo_loss`` plus ``cpo_alpha`` NLL), without the logits.
-
-    Args:
-        x: ``[2B, T, H]`` hidden states: rows ``[0, B)`` chosen sequences, ``[B, 2B)`` rejected (Liger's layout).
-        weight: ``[V, H]`` LM head, same dtype as ``x``.
-        targets: ``[2B, T]`` integer targets, already shifted; ``ignore_index`` on prompt and padding tokens.
-        bias: optional ``[V]`` bias.
-        beta: the preference temperature (> 0).
-        alpha: weight of the NLL term (mean of ``lse - z_y`` over the valid chosen tokens).
-        label_smoothing: epsilon in [0, 1] of the sigmoid/simpo losses.
-        loss_type: ``"sigmoid"`` (CPO), ``"hinge"``, ``"ipo"`` or ``"simpo"`` (margin ``simpo_gamma / beta``).
-        average_log_prob: average the token log-probs of a sequence instead of summing them (default: True for
-            ipo and simpo, False otherwise, as TRL does). A sequence without valid tokens has log-prob 0.
-        return_stats: also return ``chosen_logps``, ``rejected_logps``, ``chosen_rewards`` (beta * logp),
-            ``rejected_rewards`` ([B] each) and ``nll_loss`` (no gradient).
-        chunk_rows: rows per chunk. When all rows' dZ would not fit (``fce_core.plan.plan_pairs``), the rows go
-            in groups of whole pairs of at most this many rows (at least one pair), and chunks of this many rows
-            run over each group.
-
-    Returns:
-        The float32 scalar loss (and the stats dict). Differentiable in ``x``, ``weight`` and ``bias``.
-
-    Raises:
-        ValueError: naming the argument for an odd batch, shape/dtype mismatches, bad options, and
-            out-of-range targets when they are concrete.
-    """
+                   loss_type="sigmoid", simpo_gamma=0.5, average_log_prob=None, vocab_parallel=None,
+                   return_stats=False, chunk_rows=None):
     check_cpo_options(loss_type, beta, alpha, label_smoothing, LOSS_TYPES)
     check_pair_batch(describe(x))
+    mesh_layout = sharding.layout(x, weight, targets, rows_may_split=False) if vocab_parallel is None else None
+    if mesh_layout is not None:  # a weight split over V under plain jit: vocab-parallel in a shard_map
+        (x_spec, t_spec, b_spec), _ = sharding.specs(mesh_layout, x, bias)
+        call = lambda x, w, t, b, vp: fused_cpo_loss(  # noqa: E731
+            x, w, t, bias=b, ignore_index=ignore_index, beta=beta, alpha=alpha, label_smoothing=label_smoothing,
+            loss_type=loss_type, simpo_gamma=simpo_gamma, average_log_prob=average_log_prob, vocab_parallel=vp,
+            return_stats=return_stats, chunk_rows=chunk_rows)
+        stats_spec = dict.fromkeys(("chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards",
+                                    "nll_loss"), P())
+        return sharding.run(mesh_layout, call, (x, weight, targets, bias),
+                            (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
+                            (P(), stats_spec) if return_stats else P())
     _, vocab = check_tensors(x, weight, targets, bias)
-    check_values(targets, vocab, ignore_index)
+    check_values(targets, vocab if vocab_parallel is None else None, ignore_index)
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")
     opt = CpoOptions(seq_len=x.shape[1], ignore_index=int(ignore_index), beta=float(beta), alpha=float(alpha),
@@ -114,7 +111,8 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
                      average_log_prob=bool(average_log_prob), chunk_rows=chunk_rows)
     x2 = jnp.reshape(x, (-1, x.shape[2]))
     y = jnp.reshape(targets, (-1,)).astype(jnp.int32)
-    loss, logp_c, logp_r, reward_c, reward_r, nll = precomputed(run_cpo, opt, x2, weight, bias, y)
+    weight, bias = match_axes(x2, y, weight, bias)
+    loss, logp_c, logp_r, reward_c, reward_r, nll = precomputed(run_cpo, (opt, vocab_parallel), x2, weight, bias, y)
     if not return_stats:
         return loss
     stats = {"chosen_logps": logp_c, "rejected_logps": logp_r, "chosen_rewards": reward_c,

@@ -6,41 +6,38 @@ log-probs, CPO). How its result reaches autodiff is autodiff.py's. Twin: fce_tor
 """
 import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fce_core.heads import StatsSpec
+from fce_core.rows import target_logits
+from fce_core.rows import valid_first as valid_first_of
+from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 from fce_core.plan import layout
 
-from . import gemm
+from . import arrays, gemm
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows
-from .kernels.row_stats import row_stats, target_logits
+from .kernels.row_stats import row_stats
 from .sums import pairwise_sum
 
 F32 = jnp.float32
 
 
-@dataclass(frozen=True)
-class Head:
-    """A loss head: `fn(stats, inputs) -> outputs` per chunk, given the chunk's row statistics (m, s, zy,
-    amax, and those `stats` names) and its rows of the per-row inputs. With gradients its outputs include the
-    coefficients lse, a, b, c (and d, mu for an entropy term) of `kernels.dlogits`."""
-    fn: Callable
-    stats: StatsSpec = StatsSpec()
-
-
 def valid_first(y, ignore_index):
-    """(pos, order, n_valid): the stable permutation that puts the valid rows (y != ignore_index) first, the
-    ignored rows after them, each in their order; row i goes to pos[i], and order[j] is the row at position j."""
-    valid = y != ignore_index
-    n_valid = jnp.sum(valid.astype(jnp.int32))
-    pos = jnp.where(valid, jnp.cumsum(valid.astype(jnp.int32)) - 1,
-                    n_valid + jnp.cumsum((~valid).astype(jnp.int32)) - 1)
-    order = jnp.zeros_like(pos).at[pos].set(jnp.arange(y.shape[0], dtype=pos.dtype), unique_indices=True)
-    return pos, order, n_valid
+    """`fce_core.rows.valid_first` on this framework's arrays: (pos, order, n_valid)."""
+    return valid_first_of(arrays, y, ignore_index)
+
+
+def _varying_zeros(shape, dtype, varying):
+    z = jnp.zeros(shape, dtype)
+    return lax.pcast(z, tuple(sorted(varying)), to="varying") if varying else z
+
+
+def zeros_like_shard(shape, dtype, like):
+    """Zeros typed to vary along the mesh axes `like` varies along (inside ``jax.shard_map``: a buffer that
+    the shard's kernels then write, e.g. the kept dZ or db of a vocabulary shard)."""
+    return _varying_zeros(shape, dtype, jax.typeof(like).mat.varying)
 
 
 def chunks_to_run(plan, n_valid):
@@ -53,7 +50,8 @@ def stack_loop(step, start, stop, carry, n_slots):
     """carry, pieces = step(i, carry) for i in [start, stop) (stop may be traced): the pieces stacked in
     n_slots slots (0 in the slots of the steps that do not run)."""
     _, shapes = jax.eval_shape(functools.partial(step, start), carry)
-    stacked = jax.tree.map(lambda p: jnp.zeros((n_slots, *p.shape), p.dtype), shapes)
+    mat = lambda p: p.manual_axis_type.varying if p.manual_axis_type is not None else frozenset()  # noqa: E731
+    stacked = jax.tree.map(lambda p: _varying_zeros((n_slots, *p.shape), p.dtype, mat(p)), shapes)
 
     def body(i, c):
         carry, stacked = c
@@ -79,20 +77,25 @@ class _Sweep:
     keep: bool
     single: bool
     dtype: object
+    comm: object = None
 
     def chunk(self, acc, x_c, inputs, r0, trace):
         """One chunk: (acc, out, dx_c). acc is (dW accumulator or None, db) without kept dZ, else the group's
         [rows, V] dZ into which this chunk writes its rows from r0."""
         z = gemm.mm(x_c, self.w, F32, b_t=True)
-        parts = row_stats(z, self.bias, target_logits(z, inputs["y"], self.bias), self.class_weights,
-                          spec=self.head.stats, transform=self.transform)
+        y, comm = inputs["y"], self.comm
+        r_y = target_logits(arrays, z, y, self.bias) if comm is None else comm.target_logits(z, y, self.bias)
+        parts = row_stats(z, self.bias, r_y, self.class_weights, spec=self.head.stats, transform=self.transform)
         stats = {k: pairwise_sum(v) if v.ndim == 2 else v for k, v in parts.items()}
+        if comm is not None:
+            stats = comm.merge(stats)
+            y = comm.local_targets(y)
         out = self.head.fn(stats, inputs)
         if trace is not None:
             trace["logits"] = z
         if not any(self.grads):
             return acc, out, None
-        args = (z, self.bias, inputs["y"], self.class_weights, out)
+        args = (z, self.bias, y, self.class_weights, out)
         if self.keep:
             acc = dlogits(*args, transform=self.transform, dtype=self.dtype, into=acc, row0=r0)
             if trace is not None:
@@ -105,9 +108,14 @@ class _Sweep:
         return (dw, db), out, dx_c
 
     def add(self, dz, x_rows, dw, db):
-        """The GEMMs of some rows' dZ: (dX rows or None, dW (+)= dZ^T X, db + column sums (if given))."""
+        """The GEMMs of some rows' dZ: (dX rows or None, dW (+)= dZ^T X, db + column sums (if given));
+        vocab-parallel, dX from the shards' float32 parts."""
         need_dx, need_dw, _ = self.grads
-        dx = gemm.mm(dz, self.w, x_rows.dtype) if need_dx else None
+        dx = None
+        if need_dx and self.comm is not None:
+            dx = self.comm.sum_parts(gemm.mm(dz, self.w, F32)).astype(x_rows.dtype)
+        elif need_dx:
+            dx = gemm.mm(dz, self.w, x_rows.dtype)
         if need_dw:
             dw = (gemm.mm(dz, x_rows, self.w.dtype if self.single else F32, a_t=True) if dw is None
                   else gemm.addmm(dw, dz, x_rows, a_t=True))
@@ -140,7 +148,7 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
     accumulator, None before the first group). `pos`/`order`: the valid-first permutation of a single group.
     Returns (outputs, dx, dw, db) in the caller's order."""
     size, vocab = x_g.shape[0], sw.w.shape[0]
-    acc = jnp.zeros((size, vocab), sw.dtype) if sw.keep else (dw, db)
+    acc = zeros_like_shard((size, vocab), sw.dtype, sw.w) if sw.keep else (dw, db)
     outputs, dx, acc = _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace)
     if pos is not None:
         outputs = {k: v[pos] for k, v in outputs.items()}
@@ -156,7 +164,7 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
 
 
 def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False, False), transform,
-          ignore_index, finish=None, trace=None):
+          ignore_index, finish=None, comm=None, trace=None):
     """One pass over all rows of x [N, H] with w [V, H]. `inputs`: per-row arrays (at least "y"), cut into
     the plan's chunks and handed to the head with each chunk's statistics; the head's outputs are
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
@@ -172,14 +180,19 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need
     more rows than a chunk holds). With groups of rows (the plan's group_rows; a loop over the full groups
     after the first), each group's outputs are concatenated and dW accumulates over the groups.
+
+    `comm` (a `vocab_parallel.VocabComm`): w, bias and class_weights are this device's vocabulary shard; the
+    target logits and the row statistics are merged along the axis before the head, dX is summed along it,
+    and dW and db stay the shard's.
     """
     need = any(grads)
     sw = _Sweep(w, bias, class_weights, head, transform, grads, plan.keep_dz and need, plan.single_product(need),
-                x.dtype)
-    db = jnp.zeros((w.shape[0],), F32) if grads[2] else None
+                x.dtype, comm)
+    db = zeros_like_shard((w.shape[0],), F32, w) if grads[2] else None
     if plan.group_rows is None:
         pos, order, n_valid = valid_first(inputs["y"], ignore_index)
-        return _group_pass(sw, plan, x[order], {k: v[order] for k, v in inputs.items()}, inputs,
+        permute = lambda v: jnp.take(v, order, axis=0)  # noqa: E731  (also for numpy or literal inputs)
+        return _group_pass(sw, plan, permute(x), {k: permute(v) for k, v in inputs.items()}, inputs,
                            chunks_to_run(plan, n_valid), None, db, trace, finish, pos, order)
     g_first, n_groups = layout(plan.n_rows, plan.group_rows)
 

@@ -1,6 +1,8 @@
 """fce_torch: fused linear cross-entropy (and CPO, token log-probs) for PyTorch on Triton kernels."""
 from .api import fused_lce
 from .cpo import fused_cpo_loss
-from .liger_module import FusedLinearCrossEntropyLoss
+from .logprobs import fused_token_logprobs
+from .liger import FusedLinearCrossEntropyLoss
+from .vocab_parallel import VocabParallel
 
-__all__ = ["fused_lce", "fused_cpo_loss", "FusedLinearCrossEntropyLoss"]
+__all__ = ["fused_lce", "fused_cpo_loss", "fused_token_logprobs", "FusedLinearCrossEntropyLoss", "VocabParallel"]

@@ -7,6 +7,7 @@ from fce_core.contract import check_normalizer, check_options
 from .checks import check_tensors
 from .flce import flce_op, flce_rows_op
 from .sums import pairwise_sum
+from .vocab_parallel import resolve
 
 F32 = torch.float32
 
@@ -41,16 +42,18 @@ def requires_grad(*tensors):
 
 
 def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                 z_loss=0.0, softcap=None, class_weights=None, normalizer=None, token_scaling=False,
-                 validate=True, chunk_rows=None, lse_grad=False):
+                 z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
+                 token_scaling=False, validate=True, chunk_rows=None, lse_grad=False):
     """Checks, then (loss, z stat, lse, correct, amax) over the flattened rows, differentiable in x, weight
     and bias (and through lse when `lse_grad`). Shared by `fused_lce` and the drop-ins."""
     check_options(reduction, label_smoothing, z_loss, softcap)
+    weight, bias, class_weights, vp_group, vp_offsets = resolve(weight, bias, class_weights, vocab_parallel)
     check_tensors(x, weight, targets, bias, class_weights)
     x2, w, y, b, cw = prepare(x, weight, targets, bias, class_weights)
     norm = normalizer_tensor(normalizer, x.device) if reduction == "mean" else None
     args = (x2, w, b, y, cw, norm, int(ignore_index), reduction, float(label_smoothing), float(z_loss),
-            None if softcap is None else float(softcap), bool(token_scaling), chunk_rows, bool(validate))
+            None if softcap is None else float(softcap), bool(token_scaling), chunk_rows, bool(validate), vp_group,
+            vp_offsets)
     if requires_grad(x2, w, b) and (reduction == "none" or lse_grad):
         return flce_rows_op(*args, bool(lse_grad))
     needs = [requires_grad(x2), requires_grad(w), b is not None and requires_grad(b)]
@@ -58,8 +61,8 @@ def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction=
 
 
 def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-              z_loss=0.0, softcap=None, class_weights=None, normalizer=None, token_scaling=False,
-              return_stats=False, validate=True, chunk_rows=None):
+              z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
+              token_scaling=False, return_stats=False, validate=True, chunk_rows=None):
     """Fused linear cross-entropy: ``cross_entropy(x @ weight.T + bias, targets)`` without the logits.
 
     Args:
@@ -79,6 +82,11 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
         normalizer: for "mean", the denominators to use instead of this call's: a scalar (D = n) or a pair
             (D, n), numbers or 0-d tensors, e.g. the global counts over data-parallel ranks or micro-batches.
             The scale is folded into the gradient once. Ignored for "sum" and "none".
+        vocab_parallel: a `fce_torch.VocabParallel(group)`: ``weight`` (and ``bias``, ``class_weights``) is this
+            rank's shard of a weight split over V across the group, in rank order, equal shards; ``x`` and
+            ``targets`` are the same on every rank (docs/SPEC.md §5). Every rank returns the same loss and
+            stats; dx is the full gradient, dW/db the shard's. A DTensor weight sharded over V (``Shard(0)``)
+            is vocab-parallel without this argument.
         token_scaling: scale each row's loss and gradient by its stop-gradient p(target) (Liger's
             ``use_token_scaling``).
         return_stats: also return a dict with ``lse`` (float32, shape of targets; 0 on ignored rows), ``z_loss``
@@ -106,7 +114,8 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
     loss, zstat, lse, correct, amax = flce_outputs(
         x, weight, targets, bias=bias, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, class_weights=class_weights,
-        normalizer=normalizer, token_scaling=token_scaling, validate=validate, chunk_rows=chunk_rows)
+        normalizer=normalizer, vocab_parallel=vocab_parallel, token_scaling=token_scaling, validate=validate,
+        chunk_rows=chunk_rows)
     if reduction == "none":
         loss, zstat = loss.view(lead), zstat.view(lead)
     if not return_stats:

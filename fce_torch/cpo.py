@@ -1,16 +1,16 @@
-"""`fused_cpo_loss`: CPO / SimPO / IPO / hinge preference loss (docs/SPEC.md §3) on the engine.
+"""`fused_cpo_loss`: CPO / SimPO / IPO / hinge preference loss (docs/SPEC.md §3) on the engine, as a torch
+custom op with precomputed gradients.
 
-x [2B, T, H] holds B chosen sequences, then B rejected ones. The FLCE head (mode "none") gives every token's
-L1 = lse - z_y and writes its dZ with unit coefficients; once a group's rows are in, `kernels.cpo_pairs` turns
-each pair's sequence log-probs into its loss and the scale of its tokens' dZ (so dZ is always kept). The plan
-(`fce_core.plan.plan_pairs`) puts all rows in one group when their dZ fits (chunks then cut pairs anywhere and
-the ignored rows are skipped), else groups of whole pairs (sequences permuted group by group: its chosen, then
-its rejected ones), dW accumulating over the groups. Twin: fce_jax/cpo.py.
+x [2B, T, H] holds B chosen sequences, then B rejected ones. The FLCE head (mode "none") writes each token's
+dZ with unit coefficients; `kernels.cpo_pairs` scales it once a group of whole pairs is in
+(`fce_core.plan.plan_pairs` says which groups; docs/NUMERICS.md, "CPO"). Twin: fce_jax/cpo.py.
 """
 from typing import Optional
 
 import torch
 
+from fce_core import docs
+from fce_core.docs import doc
 from fce_core.contract import check_cpo_options, check_pair_batch
 from fce_core.options import LOSS_TYPES, CpoOptions, FlceOptions
 from fce_core.plan import pair_order, plan_pairs
@@ -24,6 +24,7 @@ from .kernels.fastmath import ASM
 from .kernels.flce_head import flce_head
 from .kernels.grad_scale import kept_weight_grad
 from .sums import pairwise_sum
+from .vocab_parallel import comm_for, resolve
 
 F32 = torch.float32
 Tensor = torch.Tensor
@@ -57,14 +58,16 @@ def _unpermute(t, order, seqs):
     return torch.empty_like(t).view(seqs).index_copy_(0, order, t.view(seqs)).view(t.shape)
 
 
-def _cpo(x, w, bias, y, opt, validate, needs):
+def _cpo(x, w, bias, y, opt, validate, comm, needs):
     """(loss, chosen/rejected logps and rewards, nll, dx, dw, db) of x [2B * T, H]."""
-    vocab, n_pairs, seq_len = w.shape[0], y.shape[0] // (2 * opt.seq_len), opt.seq_len
+    vocab = w.shape[0] if comm is None else comm.vocab
+    n_pairs, seq_len = y.shape[0] // (2 * opt.seq_len), opt.seq_len
     valid_rows = check_values(y, vocab, opt.ignore_index) if validate else None
     n_chosen = (y[:n_pairs * seq_len] != opt.ignore_index).sum().to(F32)
-    scalars = torch.stack([torch.full_like(n_chosen, float(n_pairs)), n_chosen, torch.full_like(n_chosen, float(vocab))])
-    plan = plan_pairs(n_pairs, seq_len, x.shape[1], vocab, x.element_size(), need_grads=any(needs),
-                      need_dw=needs[1], requested=opt.chunk_rows)
+    scalars = torch.stack([torch.full_like(n_chosen, float(n_pairs)), n_chosen,
+                           torch.full_like(n_chosen, float(vocab))])
+    plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.element_size(),
+                      need_grads=any(needs), requested=opt.chunk_rows)
     order = pair_order(n_pairs, seq_len, plan)
     seqs = (2 * n_pairs, seq_len, x.shape[1])
     if order is not None:
@@ -73,7 +76,7 @@ def _cpo(x, w, bias, y, opt, validate, needs):
     finish = lambda outputs, inputs: _finish_pairs(outputs, inputs, opt=opt, scalars=scalars)  # noqa: E731
     out, dx, dw, db = sweep(x, w, bias, None, _token_head(opt.ignore_index, scalars, vocab), {"y": y}, plan,
                             grads=tuple(needs), transform=FlceOptions().transform, ignore_index=opt.ignore_index,
-                            valid_rows=valid_rows, finish=finish)
+                            valid_rows=valid_rows, finish=finish, comm=comm)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
         dx = None if dx is None else _unpermute(dx, order, seqs)
@@ -85,20 +88,21 @@ def _cpo(x, w, bias, y, opt, validate, needs):
 @torch.library.custom_op("fce::cpo", mutates_args=())
 def cpo_op(x: Tensor, w: Tensor, bias: Optional[Tensor], y: Tensor, seq_len: int, ignore_index: int, beta: float,
            alpha: float, label_smoothing: float, loss_type: str, simpo_gamma: float, average_log_prob: bool,
-           chunk_rows: Optional[int], validate: bool, needs: list[bool]) -> CpoOutputs:
+           chunk_rows: Optional[int], validate: bool, vp_group: Optional[str], vp_offsets: list[int],
+           needs: list[bool]) -> CpoOutputs:
     opt = CpoOptions(seq_len=seq_len, ignore_index=ignore_index, beta=beta, alpha=alpha,
                      label_smoothing=label_smoothing, loss_type=loss_type, simpo_gamma=simpo_gamma,
                      average_log_prob=average_log_prob, chunk_rows=chunk_rows)
     with torch.autocast(x.device.type, enabled=False):
-        return _cpo(x, w, bias, y, opt, validate, needs)
+        return _cpo(x, w, bias, y, opt, validate, comm_for(vp_group, vp_offsets, w, validate), needs)
 
 
 @cpo_op.register_fake
 def _(x, w, bias, y, seq_len, ignore_index, beta, alpha, label_smoothing, loss_type, simpo_gamma,
-      average_log_prob, chunk_rows, validate, needs):
+      average_log_prob, chunk_rows, validate, vp_group, vp_offsets, needs):
     n_pairs = y.shape[0] // (2 * seq_len)
-    plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.element_size(), need_grads=any(needs),
-                      need_dw=needs[1], requested=chunk_rows)
+    plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.element_size(),
+                      need_grads=any(needs), requested=chunk_rows)
     dw_dtype = w.dtype if plan.single_product(True) or w.dtype == torch.bfloat16 else F32
     pair = x.new_empty((n_pairs,), dtype=F32)
     return (x.new_empty((), dtype=F32), pair, torch.empty_like(pair), torch.empty_like(pair), torch.empty_like(pair),
@@ -110,40 +114,19 @@ def _(x, w, bias, y, seq_len, ignore_index, beta, alpha, label_smoothing, loss_t
 register_precomputed(cpo_op, 6)
 
 
+@doc(docs.CPO_SUMMARY, docs.CPO_ARGS, framework_args="""\
+    vocab_parallel: a `fce_torch.VocabParallel(group)` (or a DTensor weight sharded over V), as in `fused_lce`.
+    validate: check the targets are in range (one host synchronization, which also counts the valid tokens so
+        that the ignored ones are skipped when all rows go in one group); False for CUDA graphs.
+""", returns="""The float32 scalar loss (and the stats dict). Gradients flow to ``x``, ``weight`` and ``bias``. Works
+under ``torch.compile`` (``fullgraph=True`` too).""", raises="""ValueError: naming the argument for an odd batch, shape/dtype mismatches, bad options, out-of-range
+    targets.""")
 def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
-                   loss_type="sigmoid", simpo_gamma=0.5, average_log_prob=None, return_stats=False,
-                   validate=True, chunk_rows=None):
-    """Fused linear CPO loss (TRL's ``CPOTrainer.cpo_loss`` plus ``cpo_alpha`` NLL), without the logits.
-
-    Args:
-        x: ``[2B, T, H]`` hidden states: rows ``[0, B)`` chosen sequences, ``[B, 2B)`` rejected (Liger's layout).
-        weight: ``[V, H]`` LM head, same dtype as ``x``.
-        targets: ``[2B, T]`` integer targets, already shifted; ``ignore_index`` on prompt and padding tokens.
-        bias: optional ``[V]`` bias.
-        beta: the preference temperature (> 0).
-        alpha: weight of the NLL term (mean of ``lse - z_y`` over the valid chosen tokens).
-        label_smoothing: epsilon in [0, 1] of the sigmoid/simpo losses.
-        loss_type: ``"sigmoid"`` (CPO), ``"hinge"``, ``"ipo"`` or ``"simpo"`` (margin ``simpo_gamma / beta``).
-        average_log_prob: average the token log-probs of a sequence instead of summing them (default: True for
-            ipo and simpo, False otherwise, as TRL does). A sequence without valid tokens has log-prob 0.
-        return_stats: also return ``chosen_logps``, ``rejected_logps``, ``chosen_rewards`` (beta * logp),
-            ``rejected_rewards`` ([B] each) and ``nll_loss`` (no gradient).
-        validate: check the targets are in range (one host synchronization, which also counts the valid
-            tokens so that the ignored ones are skipped when all rows go in one group); False for CUDA graphs.
-        chunk_rows: rows per chunk. When all rows' dZ would not fit (``fce_core.plan.plan_pairs``), the rows go
-            in groups of whole pairs of at most this many rows (at least one pair), and chunks of this many rows
-            run over each group.
-
-    Returns:
-        The float32 scalar loss (and the stats dict). Gradients flow to ``x``, ``weight`` and ``bias``. Works
-        under ``torch.compile`` (``fullgraph=True`` too).
-
-    Raises:
-        ValueError: naming the argument for an odd batch, shape/dtype mismatches, bad options, out-of-range
-            targets.
-    """
+                   loss_type="sigmoid", simpo_gamma=0.5, average_log_prob=None, vocab_parallel=None,
+                   return_stats=False, validate=True, chunk_rows=None):
     check_cpo_options(loss_type, beta, alpha, label_smoothing, LOSS_TYPES)
     check_pair_batch(describe(x))
+    weight, bias, _, vp_group, vp_offsets = resolve(weight, bias, None, vocab_parallel)
     check_tensors(x, weight, targets, bias)
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")
@@ -151,7 +134,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
     needs = [requires_grad(x2), requires_grad(w), b is not None and requires_grad(b)]
     loss, logp_c, logp_r, reward_c, reward_r, nll = cpo_op(
         x2, w, b, y, x.shape[1], int(ignore_index), float(beta), float(alpha), float(label_smoothing), loss_type,
-        float(simpo_gamma), bool(average_log_prob), chunk_rows, bool(validate), needs)[:6]
+        float(simpo_gamma), bool(average_log_prob), chunk_rows, bool(validate), vp_group, vp_offsets, needs)[:6]
     if not return_stats:
         return loss
     return loss, {"chosen_logps": logp_c, "rejected_logps": logp_r, "chosen_rewards": reward_c,

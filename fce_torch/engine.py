@@ -5,36 +5,25 @@ token log-probs, CPO): the head turns one chunk's row statistics into its output
 coefficients. How its result reaches autograd is autodiff.py's. Twin: fce_jax/engine.py.
 """
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from fce_core.heads import StatsSpec
+from fce_core.rows import target_logits
+from fce_core.rows import valid_first as valid_first_of
+from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 
-from . import gemm
+from . import arrays, gemm
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .kernels.fastmath import ASM
-from .kernels.row_stats import row_stats, target_logits
+from .kernels.row_stats import row_stats
 from .sums import pairwise_sum
 
 F32 = torch.float32
 
 
-@dataclass(frozen=True)
-class Head:
-    """A loss head: `fn(stats, inputs) -> outputs` per chunk, given the chunk's row statistics (m, s, zy,
-    amax, and those `stats` names) and its rows of the per-row inputs. With gradients its outputs include the
-    coefficients lse, a, b, c (and d, mu for an entropy term) of `kernels.dlogits`."""
-    fn: Callable
-    stats: StatsSpec = StatsSpec()
-
-
 def valid_first(y, ignore_index):
-    """order: the stable permutation that puts the valid rows (y != ignore_index) first, the ignored rows after
-    them, each in their order (order[j] is the row at position j)."""
-    valid = y != ignore_index
-    pos = torch.where(valid, valid.cumsum(0) - 1, valid.sum() + (~valid).cumsum(0) - 1)
-    return torch.empty_like(pos).scatter_(0, pos, torch.arange(y.shape[0], device=y.device))
+    """`fce_core.rows.valid_first` on this framework's arrays: (pos, order, n_valid)."""
+    return valid_first_of(arrays, y, ignore_index)
 
 
 def _rows_back(t, order, n_rows):
@@ -54,16 +43,18 @@ class _Grads:
     weight's dtype when it is the only one (`single`), else in float32. The dX rows of chunks that may be
     skipped start at 0."""
 
-    def __init__(self, x, w, grads, single, skipping):
-        self.x, self.w, self.single = x, w, single
+    def __init__(self, x, w, grads, single, skipping, comm):
+        self.x, self.w, self.single, self.comm = x, w, single, comm
         self.need_dx, self.need_dw, need_db = grads
         self.dx = (x.new_zeros if skipping else x.new_empty)(x.shape) if self.need_dx else None
         self.dw = None
         self.db = torch.zeros(w.shape[0], device=x.device, dtype=F32) if need_db else None
 
     def add(self, dz, r0, r1):
-        """The GEMMs of the dZ of rows [r0, r1)."""
-        if self.need_dx:
+        """The GEMMs of the dZ of rows [r0, r1) (vocab-parallel: dX from the shards' float32 parts)."""
+        if self.need_dx and self.comm is not None:
+            self.dx[r0:r1] = self.comm.sum_parts(gemm.mm(dz, self.w, F32))
+        elif self.need_dx:
             gemm.mm(dz, self.w, self.x.dtype, out=self.dx[r0:r1])
         if self.need_dw:
             if self.dw is None:
@@ -75,7 +66,7 @@ class _Grads:
 
 
 def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False, False), transform,
-          ignore_index, valid_rows=None, finish=None, trace=None):
+          ignore_index, valid_rows=None, finish=None, comm=None, trace=None):
     """One pass over all rows of x [N, H] with w [V, H]. `inputs`: per-row tensors (at least "y"), cut into
     the plan's chunks and handed to the head with each chunk's statistics; the head's outputs are
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
@@ -97,12 +88,13 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     keep = plan.keep_dz and any(grads)
     order, n_run, caller_inputs = None, None, inputs
     if plan.group_rows is None and valid_rows != n_rows:
-        order = valid_first(inputs["y"], ignore_index)
+        _, order, _ = valid_first(inputs["y"], ignore_index)
         x, inputs = x[order], {k: v[order] for k, v in inputs.items()}
         n_run = None if valid_rows is None else plan.chunks_to_run(valid_rows)
     groups = plan.groups
-    acc = _Grads(x, w, grads, single=plan.single_product(any(grads)), skipping=n_run is not None and not keep)
-    run = _ChunkRunner(w, bias, class_weights, head, transform, grads, trace)
+    acc = _Grads(x, w, grads, single=plan.single_product(any(grads)), skipping=n_run is not None and not keep,
+                 comm=comm)
+    run = _ChunkRunner(w, bias, class_weights, head, transform, grads, trace, comm)
     outs = []
     for g0, g1 in groups:
         chunks = plan.chunks(g1 - g0)[:n_run]
@@ -128,23 +120,27 @@ class _ChunkRunner:
     """One chunk: the logits GEMM, its statistics, the head, and with gradients its dZ, written into the kept
     rows (`dz_rows`) or into the logits' memory and then added to the gradients (`add` = (grads, r0, r1))."""
 
-    def __init__(self, w, bias, class_weights, head, transform, grads, trace):
+    def __init__(self, w, bias, class_weights, head, transform, grads, trace, comm):
         self.w, self.bias, self.cw, self.head, self.transform = w, bias, class_weights, head, transform
         self.need_grads = any(grads)
-        self.trace = trace
+        self.trace, self.comm = trace, comm
 
     def __call__(self, x_c, inputs, add, dz_rows):
         z = gemm.mm(x_c, self.w.t(), F32)
-        parts = row_stats(z, self.bias, target_logits(z, inputs["y"], self.bias), self.cw, spec=self.head.stats,
-                          transform=self.transform, asm=ASM)
+        y, comm = inputs["y"], self.comm
+        r_y = target_logits(arrays, z, y, self.bias) if comm is None else comm.target_logits(z, y, self.bias)
+        parts = row_stats(z, self.bias, r_y, self.cw, spec=self.head.stats, transform=self.transform, asm=ASM)
         stats = {k: pairwise_sum(v) if v.dim() == 2 else v for k, v in parts.items()}
+        if comm is not None:
+            stats = comm.merge(stats)
+            y = comm.local_targets(y)
         out = self.head.fn(stats, inputs)
         trace, self.trace = self.trace, None  # the first chunk's stages only
         if trace is not None:
             trace["logits"] = z.clone()
         if self.need_grads:
             dz = dz_rows if dz_rows is not None else _dz_buffer(z, x_c.dtype)
-            dlogits(z, dz, self.bias, inputs["y"], self.cw, out, transform=self.transform, asm=ASM)
+            dlogits(z, dz, self.bias, y, self.cw, out, transform=self.transform, asm=ASM)
             if trace is not None:
                 trace["dlogits"] = dz.clone()
             if add is not None:

@@ -4,17 +4,17 @@ from typing import Optional
 
 import torch
 
-from fce_core.heads import StatsSpec
+from fce_core.sweeps import flce_setup, totals
 from fce_core.options import FlceOptions
 from fce_core.plan import plan_rows
 
 from .autodiff import absent, finish_grads, grads_fake, register_precomputed, register_recompute
+from . import arrays
 from .checks import check_values
-from .engine import Head, sweep
-from .kernels.fastmath import ASM
+from .engine import sweep
 from .kernels.flce_head import flce_head
 from .kernels.grad_scale import kept_weight_grad
-from .sums import pairwise_sum
+from .vocab_parallel import comm_for
 
 F32 = torch.float32
 Tensor = torch.Tensor
@@ -22,58 +22,18 @@ Rows = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # loss, z stat, lse, corre
 RowsAndGrads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # ..., dx, dw, db
 
 
-def reduction_scalars(y, class_weights, ignore_index, vocab, normalizer=None):
-    """(float32 [D, n, W_sum], w_y [N] or None): class-weighted and plain counts of the valid rows (or the
-    caller's `normalizer`: a [2] float32 tensor (D, n)), the sum of class weights, and each row's target
-    class weight."""
-    valid = y != ignore_index
-    n = valid.sum().to(F32)
-    if class_weights is None:
-        w_y, counts, w_sum = None, torch.stack([n, n]), torch.full_like(n, float(vocab))
-    else:
-        w_y = torch.where(valid, class_weights[torch.where((y >= 0) & (y < vocab), y, 0)], 0.0)
-        counts, w_sum = torch.stack([pairwise_sum(w_y), n]), pairwise_sum(class_weights)
-    if normalizer is not None:
-        counts = normalizer.to(F32)
-    return torch.cat([counts, w_sum[None]]), w_y
-
-
-def make_head(opt, scalars, vocab):
-    """The FLCE `Head` of options `opt`: per-row inputs y, and w_y (class weights), g (loss cotangent), g_lse
-    (lse cotangent) where given."""
-    def fn(stats, inputs):
-        out = flce_head(stats, inputs["y"], inputs.get("w_y"), inputs.get("g"), inputs.get("g_lse"), scalars,
-                        opt=opt, vocab=vocab, asm=ASM)
-        out["amax"] = stats["amax"]
-        return out
-
-    return Head(fn, StatsSpec(q=opt.label_smoothing > 0))
-
-
 def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False), normalizer=None, g=None,
-               g_lse=None, valid_rows=None, trace=None):
+               g_lse=None, valid_rows=None, comm=None, trace=None):
     """The FLCE sweep: outputs are float32 [N] rows lse, loss, zrow, correct, a, b, c and int32 amax, all 0 on
-    ignored rows (lse too, whether their chunk ran or was skipped)."""
-    vocab = w.shape[0]
-    scalars, w_y = reduction_scalars(y, class_weights, opt.ignore_index, vocab, normalizer)
-    inputs = {"y": y}
-    for name, t in (("w_y", w_y), ("g", g), ("g_lse", g_lse)):
-        if t is not None:
-            inputs[name] = t
-    plan = plan_rows(x.shape[0], x.shape[1], vocab, x.element_size(), need_grads=any(grads), need_dw=grads[1],
-                     requested=opt.chunk_rows)
-    rows, dx, dw, db = sweep(x, w, bias, class_weights, make_head(opt, scalars, vocab), inputs, plan, grads=grads,
+    ignored rows (lse too, whether their chunk ran or was skipped). With `comm` (vocab parallel), w, bias and
+    class_weights are this rank's shard."""
+    head, inputs, plan = flce_setup(arrays, flce_head, x.shape, x.element_size(), w.shape[0], y, class_weights, opt,
+                                    need_grads=any(grads), normalizer=normalizer, g=g, g_lse=g_lse, comm=comm)
+    rows, dx, dw, db = sweep(x, w, bias, class_weights, head, inputs, plan, grads=grads,
                              transform=opt.transform, ignore_index=opt.ignore_index, valid_rows=valid_rows,
-                             trace=trace)
+                             comm=comm, trace=trace)
     rows["lse"] = torch.where(y != opt.ignore_index, rows["lse"], 0.0)
     return rows, dx, dw, db
-
-
-def totals(rows, reduction):
-    """(loss, z_loss stat) from the per-row values: fixed-order sums for "mean"/"sum", the rows for "none"."""
-    if reduction == "none":
-        return rows["loss"], rows["zrow"]
-    return pairwise_sum(rows["loss"]), pairwise_sum(rows["zrow"])
 
 
 # ---- the ops (autodiff.py has the autograd shapes) -------------------------------------------------------
@@ -84,8 +44,8 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_sc
 
 
 def _plan(x, w, needs, chunk_rows):
-    return plan_rows(x.shape[0], x.shape[1], w.shape[0], x.element_size(), need_grads=any(needs),
-                     need_dw=needs[1], requested=chunk_rows)
+    return plan_rows(x.shape[0], x.shape[1], w.shape[0], x.element_size(),
+                     need_grads=any(needs), requested=chunk_rows)
 
 
 def _row_outputs(x, reduction):
@@ -106,20 +66,23 @@ def _weight_grad_dtype(x, w, needs, chunk_rows):
 def flce_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
             class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
             reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float], token_scaling: bool,
-            chunk_rows: Optional[int], validate: bool, needs: list[bool]) -> RowsAndGrads:
+            chunk_rows: Optional[int], validate: bool, vp_group: Optional[str], vp_offsets: list[int],
+            needs: list[bool]) -> RowsAndGrads:
     """(loss, z stat, lse, correct, amax, dx, dw, db): a "mean"/"sum" loss with its gradients (`needs`)
-    computed in the forward, or any loss without gradients."""
+    computed in the forward, or any loss without gradients. `vp_group`/`vp_offsets`: the process group's name
+    and the shards' column boundaries of a vocab-parallel call (None / [] otherwise)."""
     return _flce(x, w, bias, y, class_weights, normalizer,
                  _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows),
-                 validate, needs)
+                 validate, comm_for(vp_group, vp_offsets, w, validate), needs)
 
 
-def _flce(x, w, bias, y, class_weights, normalizer, opt, validate, needs):
+def _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm, needs):
     with torch.autocast(x.device.type, enabled=False):
-        valid_rows = check_values(y, w.shape[0], opt.ignore_index, class_weights) if validate else None
+        vocab = w.shape[0] if comm is None else comm.vocab
+        valid_rows = check_values(y, vocab, opt.ignore_index, class_weights) if validate else None
         rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=tuple(needs), normalizer=normalizer,
-                                      valid_rows=valid_rows)
-        loss, zstat = totals(rows, opt.reduction)
+                                      valid_rows=valid_rows, comm=comm)
+        loss, zstat = totals(arrays, rows, opt.reduction)
         dw = kept_weight_grad(dw, w.dtype)
     return (loss, zstat, rows["lse"], rows["correct"], rows["amax"],
             *(absent(x) if t is None else t for t in (dx, dw, db)))
@@ -127,7 +90,7 @@ def _flce(x, w, bias, y, class_weights, normalizer, opt, validate, needs):
 
 @flce_op.register_fake
 def _(x, w, bias, y, class_weights, normalizer, ignore_index, reduction, label_smoothing, z_loss, softcap,
-      token_scaling, chunk_rows, validate, needs):
+      token_scaling, chunk_rows, validate, vp_group, vp_offsets, needs):
     dw_dtype = _weight_grad_dtype(x, w, needs, chunk_rows)
     return (*_row_outputs(x, reduction), x.new_empty(x.shape) if needs[0] else absent(x),
             w.new_empty(w.shape, dtype=dw_dtype) if needs[1] else absent(x),
@@ -141,12 +104,13 @@ register_precomputed(flce_op, 5)
 def flce_rows_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
                  class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
                  reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
-                 token_scaling: bool, chunk_rows: Optional[int], validate: bool,
-                 lse_grad: bool) -> Rows:
+                 token_scaling: bool, chunk_rows: Optional[int], validate: bool, vp_group: Optional[str],
+                 vp_offsets: list[int], lse_grad: bool) -> Rows:
     """(loss, z stat, lse, correct, amax) of a loss whose backward recomputes: "none", or any reduction with
     a differentiable lse (`lse_grad`)."""
     opt = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows)
-    return _flce(x, w, bias, y, class_weights, normalizer, opt, validate, [False, False, False])[:5]
+    return _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm_for(vp_group, vp_offsets, w, validate),
+                 [False, False, False])[:5]
 
 
 @flce_rows_op.register_fake
@@ -158,19 +122,21 @@ def _(x, w, bias, y, class_weights, normalizer, ignore_index, reduction, *rest):
 def flce_rows_grads_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
                        class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
                        reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
-                       token_scaling: bool, chunk_rows: Optional[int], validate: bool,
-                       g_loss: Optional[torch.Tensor], g_lse: Optional[torch.Tensor],
+                       token_scaling: bool, chunk_rows: Optional[int], validate: bool, vp_group: Optional[str],
+                       vp_offsets: list[int], g_loss: Optional[torch.Tensor], g_lse: Optional[torch.Tensor],
                        needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db) in the parameters' dtypes for the cotangents of the loss (scalar or rows) and of lse."""
     opt = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows)
     needs = [needs[0], needs[1], needs[2] and bias is not None]
+    comm = comm_for(vp_group, vp_offsets, w, validate)
     with torch.autocast(x.device.type, enabled=False):
-        valid_rows = check_values(y, w.shape[0], ignore_index, class_weights) if validate else None
+        vocab = w.shape[0] if comm is None else comm.vocab
+        valid_rows = check_values(y, vocab, ignore_index, class_weights) if validate else None
         g = torch.zeros(x.shape[0], device=x.device, dtype=F32) if g_loss is None else \
             g_loss.to(F32).expand(x.shape[0]).contiguous()
         _, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=tuple(needs), normalizer=normalizer,
                                    g=g, g_lse=None if g_lse is None else g_lse.to(F32).contiguous(),
-                                   valid_rows=valid_rows)
+                                   valid_rows=valid_rows, comm=comm)
     return finish_grads(dx, dw, db, x, w, bias, needs)
 
 

@@ -36,9 +36,13 @@ with and without ``num_items_in_batch``, tied and untied heads): ``LlamaForCausa
 ``strict=False``, because a model whose forward rescales the logits (Cohere's ``logit_scale``, Granite's
 ``logits_scaling``, ...) would otherwise train on a silently different loss; those known rescalings are refused
 even then. Patch the transformers model itself (for PEFT: before wrapping, or ``peft_model.get_base_model()``).
-The head is read as ``model.lm_head.weight`` without calling ``model.lm_head``, so it must be a plain
-``nn.Linear`` at call time (no LoRA on the head, no forward hooks: a TypeError otherwise) and, under FSDP, not
-an FSDP unit of its own (keep it in the root unit, as the usual per-decoder-layer wrapping does).
+The loss is computed inside a call of ``model.lm_head`` (`patch` gives the head an instance forward that takes a
+``fce_loss=`` keyword; without it the head is the plain linear layer), so the hooks of a head that is its own
+FSDP2 unit run as usual (unshard before, reshard after, the gradients' reduce-scatter): FSDP2 works whatever
+the wrapping of the head (in the root unit, its own unit, or grouped with a tied embedding; a tied head that is
+its own unit without the embedding is refused, since FSDP2 would untie it). The head must be a plain
+``nn.Linear`` (no LoRA on the head; hooks other than FSDP2's are refused: TypeError). Under
+``torch.compile(fullgraph=True)`` the patched forward traces in one graph.
 """
 from __future__ import annotations
 
@@ -106,13 +110,37 @@ def patch(model, *, strict: bool = True, validate: bool = True, chunk_rows=None)
     original = model.forward
     signature = inspect.signature(type(model).forward)
 
+    output = _causal_output()
+
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        return _forward(model, original, signature, validate, chunk_rows, args, kwargs)
+        return _forward(model, original, signature, validate, chunk_rows, output, args, kwargs)
 
     setattr(forward, _MARK, (had_instance_forward, model.__dict__.get("forward")))
     model.forward = forward
+    _install_head_loss(head)
     return model
+
+
+def _install_head_loss(head):
+    """Give the head an instance forward that takes ``fce_loss=``: called through the module, so that the hooks
+    of a head that is its own FSDP2 unit run (unshard before, reshard after, the gradients' reduce-scatter), it
+    hands its full weight and bias to the loss; without the keyword it is the head as before."""
+    if hasattr(head.__dict__.get("forward"), _MARK):
+        return
+
+    def forward(hidden, *args, fce_loss=None, **kwargs):
+        if fce_loss is None:
+            return type(head).forward(head, hidden, *args, **kwargs)
+        return fce_loss(hidden, head.weight, head.bias)
+
+    setattr(forward, _MARK, True)
+    head.forward = forward
+
+
+def _remove_head_loss(head):
+    if hasattr(head.__dict__.get("forward"), _MARK):
+        del head.forward
 
 
 def unpatch(model):
@@ -127,6 +155,7 @@ def unpatch(model):
         model.forward = previous
     else:
         del model.forward
+    _remove_head_loss(model.lm_head)
     return model
 
 
@@ -138,7 +167,7 @@ def _wrapped_chain(fn):
         seen += 1
 
 
-def _forward(model, original, signature, validate, chunk_rows, args, kwargs):
+def _forward(model, original, signature, validate, chunk_rows, output, args, kwargs):
     try:
         bound = signature.bind(model, *args, **kwargs)
     except TypeError:
@@ -164,35 +193,66 @@ def _forward(model, original, signature, validate, chunk_rows, args, kwargs):
     shift_labels = arguments.get("shift_labels")
     ignore_index = arguments.get("ignore_index", -100)
 
-    head = model.lm_head
-    if not isinstance(head, torch.nn.Linear) or getattr(head, "_forward_hooks", None) \
-            or getattr(head, "_forward_pre_hooks", None):
-        hooked = " with hooks" if isinstance(head, torch.nn.Linear) else ""
-        raise TypeError(f"model.lm_head is now {type(head).__name__}{hooked}"
-                        "; fce_torch.hf reads its weight directly and needs a plain nn.Linear (unpatch first)")
-    weight, bias = head.weight, head.bias
+    head = _checked_head(model)
     outputs = model.base_model(**arguments)
     hidden = outputs[0]
     hidden = _slice(hidden, logits_to_keep)
 
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    x = hidden.reshape(-1, hidden.shape[-1]).to(weight.device)  # a head on another device (device_map)
-    targets = shift_labels.reshape(-1).to(weight.device)
+    device = head.weight.device  # a head on another device (device_map)
+    x = hidden.reshape(-1, hidden.shape[-1]).to(device)
+    targets = shift_labels.reshape(-1).to(device)
     if targets.numel() != x.shape[0]:
         raise ValueError(f"the shifted labels have {targets.numel()} elements but {x.shape[0]} positions are kept "
                          f"(hidden states {tuple(hidden.shape)}, logits_to_keep={logits_to_keep!r})")
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        x = x.to(weight.dtype)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = fused_lce(x, weight, targets, bias=bias, ignore_index=ignore_index, reduction=reduction,
-                     softcap=softcap, validate=validate, chunk_rows=chunk_rows)
+    loss_fn = functools.partial(_head_loss, targets=targets, ignore_index=ignore_index,
+                                reduction="mean" if num_items_in_batch is None else "sum",
+                                softcap=getattr(model.config, "final_logit_softcapping", None), validate=validate,
+                                chunk_rows=chunk_rows)
+    loss = head(x, fce_loss=loss_fn)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
-    return _output(loss, outputs, return_dict)
+    return _output(loss, outputs, return_dict, output)
+
+
+def _checked_head(model):
+    """model.lm_head, if the fused path computes what it would: a plain nn.Linear whose hooks (if any) are
+    FSDP2's, tied to the embedding only within one FSDP2 group."""
+    head = model.lm_head
+    fsdp = _is_fsdp(head)
+    if not isinstance(head, torch.nn.Linear) or (not fsdp and (head._forward_hooks or head._forward_pre_hooks)):
+        hooked = " with hooks" if isinstance(head, torch.nn.Linear) else ""
+        raise TypeError(f"model.lm_head is now {type(head).__name__}{hooked}; fce_torch.hf computes the loss from "
+                        "its weight and needs a plain nn.Linear (unpatch first)")
+    _install_head_loss(head)
+    embed = model.get_input_embeddings()
+    if fsdp and getattr(model.config, "tie_word_embeddings", False) and not _same_fsdp_group(head, embed):
+        raise ValueError("lm_head is its own FSDP2 unit but its weight is tied to the input embedding: shard them "
+                         "together (fully_shard([model.get_input_embeddings(), model.lm_head])) or keep lm_head "
+                         "in the root unit")
+    return head
+
+
+def _is_fsdp(module):
+    fsdp = getattr(torch.distributed, "fsdp", None)
+    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
+
+
+def _same_fsdp_group(a, b):
+    from torch.distributed.fsdp import fully_shard
+
+    return _is_fsdp(b) and fully_shard.state(a) is fully_shard.state(b)
+
+
+def _head_loss(x, weight, bias, *, targets, ignore_index, reduction, softcap, validate, chunk_rows):
+    """The loss from the head's full weight (inside the head's call)."""
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        x = x.to(weight.dtype)
+    return fused_lce(x, weight, targets, bias=bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+                     validate=validate, chunk_rows=chunk_rows)
 
 
 def _slice(hidden, logits_to_keep):
@@ -206,12 +266,18 @@ def _slice(hidden, logits_to_keep):
     return hidden[:, logits_to_keep, :]
 
 
-def _output(loss, outputs, return_dict):
+def _causal_output():
+    """transformers' CausalLMOutputWithPast and the names of its fields, read at patch time (outside any
+    trace: torch.compile cannot trace dataclasses.fields)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    return CausalLMOutputWithPast, frozenset(f.name for f in dataclasses.fields(CausalLMOutputWithPast))
+
+
+def _output(loss, outputs, return_dict, output):
     if isinstance(outputs, tuple):  # a decoder configured to return tuples
         return (loss, *outputs[1:])
-    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    output_class, fields = output
     extra = {k: v for k, v in outputs.items() if k in fields and k not in ("loss", "logits")}
-    result = CausalLMOutputWithPast(loss=loss, logits=None, **extra)
+    result = output_class(loss=loss, logits=None, **extra)
     return result if return_dict else result.to_tuple()

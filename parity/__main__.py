@@ -4,13 +4,14 @@
                                       # interpreters, a few minutes; GPU: the real shapes)
     python -m parity --quick          # a few representative cases
     python -m parity --case bias,cpo  # cases whose name contains "bias" or "cpo" (fnmatch wildcards work)
+    python -m parity --no-cpo --no-logprobs   # the fused_lce cases only
     python -m parity --device cpu --out /tmp/parity --explain
     python -m parity --list           # the cases, without running them
 
 Progress goes to stderr, the table and the summary to stdout, ``parity.json`` and ``parity.md`` to ``--out``
-(default ``parity/results/<device>/``). Exit code: 1 when any SPEC accuracy bound is violated (or a twin
-raises / writes to its inputs), 0 otherwise; bitwise differences are reported, not failures. Missing
-implementations are reported as "missing"; with both twins missing the run exits 0 and says so.
+(default ``parity/results/<device>/``). Exit code: 1 when any SPEC accuracy bound is violated, or a twin is
+missing, raises (``NotImplementedError`` included) or writes to its inputs, or nothing ran at all (the full
+list: :mod:`parity.verdicts`); 0 otherwise. Bitwise differences are reported, not failures.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def _parse(argv):
     p.add_argument("--impls", default="torch,jax,liger",
                    help="comma-separated implementations to run (default: torch,jax,liger)")
     p.add_argument("--no-cpo", action="store_true", help="leave out the fused_cpo_loss cases")
+    p.add_argument("--no-logprobs", action="store_true", help="leave out the fused_token_logprobs cases")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p.parse_args(argv)
@@ -67,66 +69,62 @@ def _prepare_environment(device: str) -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+def _select(args, device: str) -> list:
+    """The cases of the run: the default table, then ``--case`` patterns, then ``--quick``; [] when no case
+    matches the patterns."""
+    from .catalog import default_cases, quick_cases, select_cases
+
+    cases = default_cases(device, cpo=not args.no_cpo, logprobs=not args.no_logprobs)
+    patterns = [p.strip() for arg in args.case for p in arg.split(",") if p.strip()]
+    if patterns:
+        cases = select_cases(cases, patterns)
+    return quick_cases(cases, device) if args.quick and cases else cases
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     device = _pick_device(args.device)
     _prepare_environment(device)
 
-    from . import suite
-    from .report import Progress, format_summary, format_table, write_reports
+    # imported only now: the environment above must be set before triton or jax load
+    from .catalog import case_meta, default_cases
+    from .environment import device_slug
+    from .explain import format_explain
+    from .impls import IMPLS
+    from .report import Progress, describe, format_summary, format_table, write_reports
+    from .runner import run_suite
 
     impl_names = tuple(s.strip() for s in args.impls.split(",") if s.strip())
-    unknown = [s for s in impl_names if s not in suite.IMPLS]
+    unknown = [s for s in impl_names if s not in IMPLS]
     if unknown:
-        print(f"python -m parity: unknown implementation(s) {unknown}; known: {list(suite.IMPLS)}", file=sys.stderr)
+        print(f"python -m parity: unknown implementation(s) {unknown}; known: {list(IMPLS)}", file=sys.stderr)
         return 2
-
-    patterns = [p.strip() for arg in args.case for p in arg.split(",") if p.strip()]
-    cases = suite.default_cases(device, cpo=not args.no_cpo)
-    notes = []
-    if not args.no_cpo and not patterns:
-        impls = suite.load_impls(tuple(t for t in suite.TWINS if t in impl_names))
-        if not any(impl.fns.get("cpo") is not None for impl in impls.values()):
-            cases = [c for c in cases if suite.case_kind(c) != "cpo"]
-            notes.append("CPO cases left out: fused_cpo_loss exists in neither twin yet "
-                         "(select them with --case cpo to see them reported as missing)")
-    if patterns:
-        cases = suite.select_cases(cases, patterns)
-        if not cases:
-            names = ", ".join(c.name for c in suite.default_cases(device))
-            print(f"python -m parity: no case matches {patterns}. Cases on {device}: {names}", file=sys.stderr)
-            return 2
-    if args.quick:
-        cases = suite.quick_cases(cases, device)
-
+    cases = _select(args, device)
+    if not cases:
+        names = ", ".join(c.name for c in default_cases(device))
+        print(f"python -m parity: no case matches {args.case}. Cases on {device}: {names}", file=sys.stderr)
+        return 2
     if args.list:
-        from .report import _describe
         for c in cases:
-            print(f"{c.name:<44} {_describe(suite.case_meta(c))}")
+            print(f"{c.name:<44} {describe(case_meta(c))}")
         return 0
 
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
-    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / suite.device_slug(device)
+    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / device_slug(device)
 
     def annotate(results):
-        results["summary"]["notes"] = notes
         results["args"] = vars(args)
         return results
 
     progress = Progress(enabled=not args.no_progress)
-    results = suite.run_suite(cases, device, impl_names=impl_names, explain=args.explain, progress=progress,
-                              on_case=lambda partial: write_reports(annotate(partial), out_dir))
+    results = run_suite(cases, device, impl_names=impl_names, explain=args.explain, progress=progress,
+                        on_case=lambda partial: write_reports(annotate(partial), out_dir))
     files = write_reports(annotate(results), out_dir)
     print(format_table(results))
     if args.explain:
-        from .explain import format_explain
         for e in results["cases"]:
             if e.get("explain"):
                 print(f"\nexplain {e['case']}:\n{format_explain(e['explain'])}")
     print()
-    for n in notes:
-        print(f"note: {n}")
     print(format_summary(results, files))
     return results["exit_code"]
 

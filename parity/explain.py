@@ -21,6 +21,9 @@ import traceback
 
 import torch
 
+from .bridge import targets_to_jax, to_jax, to_torch
+from .measures import INT_VIEW, bitwise_equal, ulp_distance
+
 __all__ = ["STAGES", "HINTS", "compare_stage", "first_divergence", "explain_case", "explain_intermediates",
            "format_explain"]
 
@@ -44,22 +47,17 @@ HINTS = {
           "over chunks in float32, then cast to the bias dtype.",
 }
 
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 def _as_torch(a):
     if a is None:
         return None
     if isinstance(a, torch.Tensor):
         return a.detach()
-    from .bridge import to_torch
     return to_torch(a)
 
 
 def compare_stage(name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> dict:
     """Compare one stage of the two twins (``a`` torch, ``b`` jax) on the same device."""
-    from .suite import bitwise_equal, ulp_stats
-
     rec = {"stage": name, "present": a is not None and b is not None, "bitwise": None, "max_ulp": None,
            "n_diff": None, "numel": None, "note": "", "first_diff": None, "worst_diff": None}
     if a is None or b is None:
@@ -81,8 +79,8 @@ def compare_stage(name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> 
     if not a.is_floating_point():
         rec["n_diff"] = int((a != b).sum())
         return rec
-    rec["max_ulp"], rec["n_diff"] = ulp_stats(a, b)
-    iv = _INT_VIEW[a.element_size()]
+    rec["max_ulp"], rec["n_diff"] = ulp_distance(a, b)
+    iv = INT_VIEW[a.element_size()]
     fa, fb = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
     neq = (fa.view(iv) != fb.view(iv)).nonzero()
     if neq.numel():
@@ -129,8 +127,6 @@ def explain_case(case, inputs: dict, device: str) -> dict:
 
     Never raises: a missing engine is ``status="missing"``, an exception ``status="error"``.
     """
-    from .bridge import targets_to_jax, to_jax
-
     fns = {}
     for twin in ("torch", "jax"):
         try:

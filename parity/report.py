@@ -1,6 +1,6 @@
 """Rendering the parity results: a progress bar (stderr), the terminal table (stdout), JSON and Markdown.
 
-Everything here reads the dict returned by :func:`parity.suite.run_suite`; nothing here computes numbers.
+Everything here reads the dict returned by :func:`parity.runner.run_suite`; nothing here computes numbers.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["Progress", "format_table", "format_summary", "to_markdown", "write_json", "write_markdown",
-           "write_reports", "jsonable"]
+__all__ = ["Progress", "describe", "format_table", "format_summary", "to_markdown", "write_json",
+           "write_markdown", "write_reports", "jsonable"]
 
 _SHORT = {"ok": "", "missing": "miss", "n/a": "n/a", "error": "ERR"}
 
@@ -102,41 +102,43 @@ def _det_cell(entry: dict, rec: dict) -> str:
     return "/".join(parts)
 
 
-def _verdict_cell(entry: dict, out: str, rec: dict) -> str:
+def _verdict_cell(rec: dict) -> str:
+    """The twins' verdict on one output: a twin that failed, raised or is missing makes it FAIL."""
     fails = [impl for impl, v in rec["verdict"].items() if v == "FAIL"]
     if fails:
         return "FAIL " + ",".join(fails)
     vs = set(rec["verdict"].values())
-    if "error" in vs:
-        return "FAIL error"
-    if vs <= {"ok"}:
+    for status in ("error", "missing"):
+        if status in vs:
+            return f"FAIL {status}"
+    if vs <= {"ok", "n/a"} and "ok" in vs:
         return "ok"
     if "unchecked" in vs:
         return "unchecked (no reference)"
-    return "ok" if "ok" in vs and vs <= {"ok", "missing"} else "/".join(sorted(vs))
+    return "/".join(sorted(vs))
 
 
-def _describe(meta: dict) -> str:
+def _flags(meta: dict, names) -> list[str]:
+    """``name`` for a set boolean, ``name=value`` for any other set value, of the fields ``names``."""
+    return [k if meta[k] is True else f"{k}={meta[k]}" for k in names if meta.get(k) not in (None, False, 0, 0.0)]
+
+
+def describe(meta: dict) -> str:
+    """One line for a case (its :func:`parity.catalog.case_meta`): kind, dtype, shape and the options set."""
     shape = "x".join(str(s) for s in meta["shape"])
     bits = [meta["kind"], meta["dtype"], f"({shape})xH{meta['h']}", f"V={meta['v']}"]
     if meta["kind"] == "flce":
         bits.append(meta["reduction"])
-        for k, lab in (("bias", "bias"), ("class_weights", "class_weights")):
-            if meta.get(k):
-                bits.append(lab)
-        for k in ("label_smoothing", "z_loss", "softcap"):
-            if meta.get(k):
-                bits.append(f"{k}={meta[k]}")
-        if meta.get("logit_scale", 1.0) != 1.0:
-            bits.append(f"logit_scale={meta['logit_scale']}")
-    else:
+        bits += _flags(meta, ("bias", "bias_dtype", "class_weights", "negative_class_weights", "label_smoothing",
+                              "z_loss", "softcap", "token_scaling", "normalizer"))
+    elif meta["kind"] == "cpo":
         bits.append(meta["loss_type"])
-        if meta.get("bias"):
-            bits.append("bias")
-        for k in ("label_smoothing",):
-            if meta.get(k):
-                bits.append(f"{k}={meta[k]}")
+        bits += _flags(meta, ("bias", "label_smoothing"))
         bits.append(f"beta={meta['beta']} alpha={meta['alpha']}")
+    else:
+        bits += _flags(meta, ("bias", "softcap")) + [f"temperature={meta['temperature']}"]
+    if meta.get("logit_scale", 1.0) != 1.0:
+        bits.append(f"logit_scale={meta['logit_scale']}")
     return " ".join(bits)
 
 
@@ -162,7 +164,7 @@ def _rows(results: dict, *, markdown: bool) -> list[tuple[str, ...]]:
             if markdown:
                 cells += [_pair_cell(pairs.get("torch~liger")), _pair_cell(pairs.get("jax~liger"))]
             cells += [_err_cell(entry, rec, "torch"), _err_cell(entry, rec, "jax"), _err_cell(entry, rec, "liger"),
-                      f"{rec['bound']:.0e}", _det_cell(entry, rec), _verdict_cell(entry, out, rec)]
+                      f"{rec['bound']:.0e}", _det_cell(entry, rec), _verdict_cell(rec)]
             rows.append(tuple(cells))
         if entry["violations"] and not any(r["verdict"] and "FAIL" in r["verdict"].values()
                                            for r in entry["outputs"].values()):
@@ -198,17 +200,8 @@ def format_summary(results: dict, files: list[str] | None = None) -> str:
     for impl, why in s.get("missing", {}).items():
         for kind, w in why.items():
             lines.append(f"{'BROKEN' if w.startswith('ERROR') else 'missing'}: {impl} {kind}: {w}")
-    if s["reference_missing"]:
-        lines.append(f"WARNING: the float64 reference is missing for {s['reference_missing']} case(s): "
-                     f"accuracy not checked there")
     if s["nothing_ran"]:
-        if s["twins_missing"]:
-            lines.append("NOTHING RAN: both twins (fce_torch, fce_jax) are missing and Liger did not run; "
-                         "there is nothing to compare yet (exit 0).")
-        else:
-            lines.append("NOTHING RAN: no implementation produced a result (see the errors above).")
-    elif s["twins_missing"]:
-        lines.append("Both twins are missing: only Liger ran (exit 0).")
+        lines.append("NOTHING RAN: no implementation produced a result (see the errors above).")
     if s["violations"]:
         lines.append(f"SPEC VIOLATIONS ({len(s['violations'])}):")
         lines += [f"  - {v}" for v in s["violations"]]
@@ -230,13 +223,14 @@ def to_markdown(results: dict) -> str:
     out = ["# Parity report: fce_torch vs fce_jax vs Liger vs float64", ""]
     out.append("| | |\n|---|---|")
     for k, v in env.items():
-        out.append(f"| {k} | {_md_escape(str(v))} |")
-    out += ["", "Terms (SPEC §4): `torch=jax` is *yes* when every bit is equal, else *no* with the max ULP distance "
+        cell = ", ".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else str(v)
+        out.append(f"| {k} | {_md_escape(cell)} |")
+    out += ["", "Terms (SPEC §6): `torch=jax` is *yes* when every bit is equal, else *no* with the max ULP distance "
             "(in the output dtype) / the number of differing elements; `err` is the relative norm error "
             "‖a − ref‖/‖ref‖ against the float64 evaluation; `determ` is run-to-run bitwise determinism "
             "(each implementation twice: y / N); `bound` is the SPEC accuracy bound of the twins "
-            "(bf16/fp16 gradients: also ≤ 1.25× Liger's error). miss = not built yet, n/a = Liger lacks "
-            "the option, ERR = raised.", ""]
+            "(bf16/fp16 gradients: also ≤ 1.25× Liger's error; entropy: 1e-4). miss = missing or "
+            "NotImplementedError (a failure for a twin), n/a = Liger lacks the op or option, ERR = raised.", ""]
     out.append("## Results")
     out.append("")
     header = _MD_COLS
@@ -247,7 +241,7 @@ def to_markdown(results: dict) -> str:
     out += ["", "## Summary", "", "```", format_summary(results), "```", ""]
     out += ["## Cases", ""]
     for e in results["cases"]:
-        out.append(f"- `{e['case']}`: {_md_escape(_describe(e['meta']))}; reference: "
+        out.append(f"- `{e['case']}`: {_md_escape(describe(e['meta']))}; reference: "
                    f"{e['reference'].get('impl') or e['reference']['status']}")
         for impl, info in e["impls"].items():
             if info["status"] != "ok":

@@ -10,6 +10,8 @@ import torch
 
 from parity.bridge import (CPU_ALIGNMENT, BridgeError, same_memory, targets_to_jax, to_jax, to_torch,
                            x64_enabled)
+from parity.cases import case_inputs
+from parity.catalog import default_cases
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -193,6 +195,22 @@ def test_int64_with_x64_is_zero_copy():
         a = targets_to_jax(t)
         assert a.dtype == jnp.int64 and same_memory(t, a)
         assert same_memory(t, to_jax(t))
+
+
+# ------------------------------------------------------------------------------------------ the suite's inputs
+@pytest.mark.parametrize("kind", ["flce", "cpo", "logprobs"])
+def test_case_inputs_cross_without_copies(kind):
+    """Every float tensor a parity case hands to the JAX twin (cotangents included) is aliased, not copied;
+    int64 targets are the one documented int32 copy."""
+    name = {"flce": "token_scaling_none_bf16", "cpo": "cpo_sigmoid_ls_bias_bf16", "logprobs": "logprobs_bias_bf16"}
+    inp = case_inputs(next(c for c in default_cases("cpu") if c.name == name[kind]))
+    floats = {k: t for k, t in inp.items() if t is not None and t.is_floating_point()}
+    assert {"x", "weight"} <= set(floats) and (kind == "cpo" or any(k.startswith("grad_") for k in floats))
+    for name, t in floats.items():
+        assert same_memory(t, to_jax(t)), name
+    y = targets_to_jax(inp["targets"])
+    assert y.dtype == (jnp.int64 if x64_enabled() else jnp.int32) and y.shape == tuple(inp["targets"].shape)
+    np.testing.assert_array_equal(np.asarray(y), inp["targets"].numpy())
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -1,13 +1,14 @@
 """fused_cpo_loss in both twins against the float64 reference (SPEC §3), Liger, and bad input."""
 
-import numpy as np
 import pytest
 import torch
 
 import fce_jax
 import fce_torch
+from fce_core.plan import Plan, layout, pair_order, plan_pairs
+from helpers import assert_close_to_reference
 from parity.reference import cpo_reference, rel_err
-from helpers import assert_close_to_reference, to_jax
+from twins import JAX, TORCH
 
 IGNORE = -100
 
@@ -26,28 +27,7 @@ def make(pairs=2, seq=5, hidden=16, vocab=130, dtype=torch.float32, seed=0, bias
     return x, w, y, b
 
 
-def run_torch(x, w, y, b, **kw):
-    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    bs = None if b is None else b.clone().requires_grad_()
-    loss, stats = fce_torch.fused_cpo_loss(xs, ws, y, bias=bs, return_stats=True, **kw)
-    loss.backward()
-    return {"loss": loss.detach(), "dx": xs.grad, "dw": ws.grad, "db": None if bs is None else bs.grad,
-            **{k: v.detach() for k, v in stats.items()}}
-
-
-def run_jax(x, w, y, b, **kw):
-    import jax
-
-    def f(x, w, b):
-        return fce_jax.fused_cpo_loss(x, w, to_jax(y.to(torch.int32)), bias=b, return_stats=True, **kw)
-
-    argnums = (0, 1) if b is None else (0, 1, 2)
-    (loss, stats), grads = jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))(
-        to_jax(x), to_jax(w), None if b is None else to_jax(b))
-    out = {"loss": loss, "dx": grads[0], "dw": grads[1], "db": grads[2] if b is not None else None}
-    return {k: None if v is None else np.asarray(v, np.float64) for k, v in {**out, **stats}.items()}
-
-
+run_torch, run_jax = TORCH.cpo, JAX.cpo   # float64 numpy loss, gradients and stats (tests/twins.py)
 TWINS = {"torch": run_torch, "jax": run_jax}
 
 
@@ -86,7 +66,7 @@ def test_twins_agree():
     x, w, y, b = make(pairs=3, seed=4, bias=True)
     a, j = run_torch(x, w, y, b, chunk_rows=10), run_jax(x, w, y, b, chunk_rows=10)
     for k in ("loss", "dx", "dw", "db", "chosen_logps", "rejected_logps", "nll_loss"):
-        assert rel_err(j[k], np.asarray(a[k].double())) < 1e-6, k
+        assert rel_err(j[k], a[k]) < 1e-6, k
 
 
 def test_sigmoid_matches_liger():
@@ -99,9 +79,9 @@ def test_sigmoid_matches_liger():
     out = liger(ws, xs, y)
     loss = out[0] if isinstance(out, tuple) else out
     loss.backward()
-    assert rel_err(ours["loss"].double().numpy(), loss.detach().double().numpy()) < 1e-5
-    assert rel_err(ours["dx"].double().numpy(), xs.grad.double().numpy()) < 1e-4
-    assert rel_err(ours["dw"].double().numpy(), ws.grad.double().numpy()) < 1e-4
+    assert rel_err(ours["loss"], loss.detach()) < 1e-5
+    assert rel_err(ours["dx"], xs.grad) < 1e-4
+    assert rel_err(ours["dw"], ws.grad) < 1e-4
 
 
 @pytest.mark.parametrize("twin", ["torch", "jax"])
@@ -134,17 +114,18 @@ def test_torch_no_grad_matches_grad_path():
     with torch.no_grad():
         loss = fce_torch.fused_cpo_loss(x, w, y)
     assert loss.grad_fn is None
-    assert torch.equal(loss, run_torch(x, w, y, None)["loss"])
+    assert loss.item() == run_torch(x, w, y, None)["loss"]
 
 
 def test_plan_keeps_dz_and_cuts_pairs():
-    """The shapes of the next test: every chunk's dZ kept (chunks of 7 rows cut the 5-token sequences), and
-    the groups of whole pairs for the same rows when the weight takes no gradient."""
-    from fce_torch.chunking import plan
-
-    assert plan(30, 64, 130, 4, True, 7) == (7, True)
-    assert plan(30, 64, 130, 4, False, 7) == (7, False)
-    assert plan(30, 16, 130, 4, True, 7) == (7, False)  # dZ of all rows would outgrow the dW accumulator
+    """The shapes of the next tests: every chunk's dZ kept in one group (chunks of 7 rows cut the 5-token
+    sequences) when all rows' dZ fits (H = 64); groups of one whole pair (10 rows, chunks of 7 over each) when
+    dZ of all rows would outgrow the dW accumulator (H = 16)."""
+    grads = dict(need_grads=True, requested=7)
+    assert plan_pairs(3, 5, 64, 130, 4, **grads) == Plan(30, 7, True)
+    assert plan_pairs(3, 5, 16, 130, 4, **grads) == Plan(30, 7, True, 10)
+    assert pair_order(3, 5, Plan(30, 7, True)) is None
+    assert pair_order(3, 5, Plan(30, 7, True, 10)) == [0, 3, 1, 4, 2, 5]
 
 
 @pytest.mark.parametrize("twin", TWINS)
@@ -160,9 +141,9 @@ def test_chunks_cutting_pairs_twins_agree_and_no_grad_matches():
     x, w, y, b = make(pairs=3, hidden=64, seed=8, bias=True)
     a, j = run_torch(x, w, y, b, chunk_rows=7), run_jax(x, w, y, b, chunk_rows=7)
     for k in ("loss", "dx", "dw", "db", "chosen_logps", "rejected_logps", "nll_loss"):
-        assert rel_err(j[k], np.asarray(a[k].double())) < 1e-6, k
+        assert rel_err(j[k], a[k]) < 1e-6, k
     with torch.no_grad():  # one group here (no gradients), the ignored rows skipped: the same loss bits
-        assert torch.equal(fce_torch.fused_cpo_loss(x, w, y, bias=b, chunk_rows=7), a["loss"])
+        assert fce_torch.fused_cpo_loss(x, w, y, bias=b, chunk_rows=7).item() == a["loss"]
 
 
 @pytest.mark.parametrize("twin", TWINS)
@@ -170,14 +151,14 @@ def test_chunks_cutting_pairs_twins_agree_and_no_grad_matches():
 def test_groups_of_pairs(twin, chunk_rows, groups):
     """dZ of all rows would not fit: groups of whole pairs (the remainder first), each group's dZ kept while
     chunks of `chunk_rows` cut it (7 rows: two chunks per 10-row pair), dW accumulated over the groups."""
-    from fce_torch.chunking import layout, plan
-    from fce_torch.cpo import pair_groups
-
     x, w, y, b = make(pairs=3, seed=9, bias=True)
-    assert plan(30, 16, 130, 4, True, chunk_rows)[1] is False
-    per_group, _ = pair_groups(3, 5, chunk_rows)
+    plan = plan_pairs(3, 5, 16, 130, 4, need_grads=True, requested=chunk_rows)
+    assert plan.keep_dz and plan.group_rows is not None
+    per_group = plan.group_rows // 10
     first, n_groups = layout(3, per_group)
     assert [first] + [per_group] * (n_groups - 1) == groups
+    assert [(g1 - g0) // 10 for g0, g1 in plan.groups] == groups
+    assert sorted(pair_order(3, 5, plan)) == list(range(6))
     kw = dict(loss_type="sigmoid", beta=0.5, label_smoothing=0.1, alpha=0.7)
     out = TWINS[twin](x, w, y, b, chunk_rows=chunk_rows, **kw)
     assert_close_to_reference(out, cpo_reference(x, w, y, bias=b, **kw), "float32")

@@ -1,6 +1,7 @@
 """The float64 reference (parity/reference.py) pinned to independent evaluations: torch.nn.functional.cross_entropy,
-hand formulas in numpy, explicit Python loops for CPO, and finite differences. Plus the error measures and the
-case generator."""
+torch.log_softmax, hand formulas in numpy (gradients derived by hand), explicit Python loops for CPO, and finite
+differences; its chunked on-device evaluation against the one-chunk CPU one. Plus the error measures and the case
+generator."""
 
 import math
 
@@ -10,8 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close_to_reference, tolerances
-from parity.cases import IGNORE_INDEX, Case, make_inputs, small_cases
-from parity.reference import as_float64, cpo_reference, flce_reference, rel_err, ulp_distance
+from parity import reference
+from parity.catalog import small_cpo_cases, small_logprob_cases, small_option_cases
+from parity.cases import IGNORE_INDEX, Case, CpoCase, case_inputs, make_cpo_inputs, make_inputs, small_cases
+from parity.reference import as_float64, cpo_reference, flce_reference, logprobs_reference, rel_err, ulp_distance
 
 F64 = torch.float64
 
@@ -33,8 +36,10 @@ def _close(a, b, rtol=1e-11, atol=1e-13, what=""):
 
 
 # ----------------------------------------------------------------------------- hand evaluation in numpy
-def _hand_flce(x, w, t, *, b=None, cw=None, reduction="mean", eps=0.0, s=0.0, cap=None, g=None):
-    """SPEC §1 written out in numpy, with the gradient derived by hand (not by autograd)."""
+def _hand_flce(x, w, t, *, b=None, cw=None, reduction="mean", eps=0.0, s=0.0, cap=None, g=None, ts=False,
+               norm=None):
+    """SPEC §1 written out in numpy, with the gradient derived by hand (not by autograd). ``ts``: token
+    scaling (each row's terms and gradient times the constant p(y)); ``norm``: the "mean" (D, n)."""
     x, w = as_float64(x), as_float64(w)
     t = np.asarray(t.numpy() if isinstance(t, torch.Tensor) else t, dtype=np.int64)
     lead, (v, h) = t.shape, w.shape
@@ -54,7 +59,12 @@ def _hand_flce(x, w, t, *, b=None, cw=None, reduction="mean", eps=0.0, s=0.0, ca
     zl = s * lse**2
     dce = (1 - eps) * wc[y][:, None] * (p - onehot) + (eps / v) * (wc.sum() * p - wc)   # dCE_i/dz
     dzl = 2 * s * lse[:, None] * p                                                       # dZ_i/dz
+    if ts:                                                  # p(y) is a constant factor of the row
+        py = p[rows, y]
+        ce, zl, dce, dzl = ce * py, zl * py, dce * py[:, None], dzl * py[:, None]
     n, d = valid.sum(), wc[y][valid].sum()
+    if norm is not None:
+        d, n = norm if isinstance(norm, tuple) else (norm, norm)
     if reduction == "none":
         gv = np.broadcast_to(1.0 if g is None else as_float64(g), lead).reshape(-1)
         loss = np.where(valid, ce + zl, 0.0).reshape(lead)
@@ -65,8 +75,8 @@ def _hand_flce(x, w, t, *, b=None, cw=None, reduction="mean", eps=0.0, s=0.0, ca
             loss = (ce + zl)[valid].sum()
             c_ce = c_z = valid * gs
         else:
-            loss = (ce[valid].sum() / d if d > 0 else 0.0) + (zl[valid].sum() / n if n > 0 else 0.0)
-            c_ce = valid * gs * (1 / d if d > 0 else 0.0)
+            loss = (ce[valid].sum() / d if d != 0 else 0.0) + (zl[valid].sum() / n if n > 0 else 0.0)
+            c_ce = valid * gs * (1 / d if d != 0 else 0.0)
             c_z = valid * gs * (1 / n if n > 0 else 0.0)
     dz = c_ce[:, None] * dce + c_z[:, None] * dzl
     dr = dz * (1 - np.tanh(r / cap) ** 2) if cap else dz
@@ -122,14 +132,17 @@ def test_matches_torch_cross_entropy_3d_and_softcap(reduction):
     assert ref["db"] is None
 
 
+@pytest.mark.parametrize("case", small_cases() + small_option_cases(), ids=lambda c: c.name)
 def test_every_small_case_matches_hand_formulas(case):
-    """All options of SPEC §1 (the shared cases) against the numpy formulas with a hand-derived gradient."""
+    """All options of SPEC §1 (the shared cases and the suite's option cases: token scaling, a normalizer,
+    negative class weights, a float32 bias) against the numpy formulas with a hand-derived gradient."""
     inp = make_inputs(case)
     g = (torch.linspace(-1.0, 2.0, case.rows).reshape(case.shape) if case.reduction == "none" else 0.75)
     ref = flce_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
                          class_weights=inp["class_weights"], grad_output=g, **case.options())
     hand = _hand_flce(inp["x"], inp["weight"], inp["targets"], b=inp["bias"], cw=inp["class_weights"],
-                      reduction=case.reduction, eps=case.label_smoothing, s=case.z_loss, cap=case.softcap, g=g)
+                      reduction=case.reduction, eps=case.label_smoothing, s=case.z_loss, cap=case.softcap, g=g,
+                      ts=case.token_scaling, norm=case.normalizer)
     for key in ("loss", "lse", "dx", "dw") + (("db",) if case.bias else ()):
         assert ref[key].shape == hand[key].shape, key
         assert rel_err(ref[key], hand[key]) <= 1e-11, key
@@ -235,8 +248,9 @@ def test_targets_out_of_range_raise():
 @pytest.mark.parametrize("kwargs, name", [
     ({"reduction": "avg"}, "reduction"), ({"label_smoothing": 1.5}, "label_smoothing"),
     ({"z_loss": -1.0}, "z_loss"), ({"softcap": 0.0}, "softcap"),
-    ({"class_weights": -torch.ones(37, dtype=F64)}, "class_weights"),
+    ({"class_weights": torch.full((37,), math.inf, dtype=F64)}, "class_weights"),
     ({"class_weights": torch.ones(36, dtype=F64)}, "class_weights"), ({"bias": torch.zeros(5)}, "bias"),
+    ({"normalizer": (1.0, 2.0, 3.0)}, "normalizer"),
 ])
 def test_bad_arguments_raise(kwargs, name):
     x, w, _, t, _ = _problem(seed=8)
@@ -276,6 +290,90 @@ def test_finite_difference_flce():
         wm[i, j] -= h
         fd = (loss_at(wp) - loss_at(wm)) / (2 * h)
         assert ref["dw"][i, j] == pytest.approx(fd, rel=1e-6, abs=1e-10)
+
+
+# ----------------------------------------------------------------------------- token scaling, normalizer, signs
+def _scaled_torch(x, w, b, t, cw, eps, s, reduction, g):
+    """Liger's token scaling composed from F.cross_entropy: each row's CE and z-loss times p(y).detach()."""
+    xx, ww, bb = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    logits = xx @ ww.T + bb
+    valid = t != IGNORE_INDEX
+    y = torch.where(valid, t, 0)
+    ce = F.cross_entropy(logits, t, weight=cw, ignore_index=IGNORE_INDEX, reduction="none", label_smoothing=eps)
+    lse = torch.logsumexp(logits, dim=1)
+    p_y = torch.softmax(logits, dim=1).gather(1, y[:, None])[:, 0].detach()
+    ce, zl = ce * p_y, torch.where(valid, s * lse**2, 0.0) * p_y
+    if reduction == "none":
+        loss = ce + zl
+    else:
+        d, n = (cw[y] * valid).sum(), valid.sum()
+        loss = ce.sum() / d + zl.sum() / n if reduction == "mean" else (ce + zl).sum()
+    (loss * g).sum().backward()
+    return {"loss": loss.detach(), "dx": xx.grad, "dw": ww.grad, "db": bb.grad}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_token_scaling_matches_scaled_cross_entropy(reduction):
+    x, w, b, t, cw = _problem(seed=11, scale=4.0)
+    g = torch.linspace(-1.0, 2.0, 12, dtype=F64) if reduction == "none" else torch.tensor(1.3, dtype=F64)
+    want = _scaled_torch(x, w, b, t, cw, 0.1, 1e-2, reduction, g)
+    ref = flce_reference(x, w, t, bias=b, class_weights=cw, label_smoothing=0.1, z_loss=1e-2, reduction=reduction,
+                         token_scaling=True, grad_output=g)
+    for key in ("loss", "dx", "dw", "db"):
+        _close(ref[key], want[key], what=key)
+    plain = flce_reference(x, w, t, bias=b, class_weights=cw, label_smoothing=0.1, z_loss=1e-2,
+                           reduction=reduction, grad_output=g)
+    assert rel_err(ref["dx"], plain["dx"]) > 0.1              # the scaling is not a no-op here
+    zpart = _scaled_torch(x, w, b, t, cw, 0.1, 1e-2, reduction, g)["loss"] - _scaled_torch(
+        x, w, b, t, cw, 0.1, 0.0, reduction, g)["loss"]
+    _close(ref["z_loss"], zpart, rtol=1e-9, atol=1e-15)        # the z-loss stat is the scaled part
+
+
+def test_normalizer_replaces_the_mean_denominators():
+    x, w, b, t, cw = _problem(seed=12)
+    s = 1e-2
+    ce_sum = F.cross_entropy(x @ w.T + b, t, weight=cw, ignore_index=IGNORE_INDEX, reduction="sum")
+    lse = torch.logsumexp(x @ w.T + b, dim=1)[t != IGNORE_INDEX]
+    for norm, (d, n) in (((40.0, 25.0), (40.0, 25.0)), (30.0, (30.0, 30.0)), (torch.tensor(7.0), (7.0, 7.0))):
+        ref = flce_reference(x, w, t, bias=b, class_weights=cw, z_loss=s, normalizer=norm)
+        assert ref["loss"] == pytest.approx(float(ce_sum) / d + s * float((lse**2).sum()) / n, rel=1e-12)
+        hand = _hand_flce(x, w, t, b=b, cw=cw, s=s, norm=(d, n))
+        assert rel_err(ref["dw"], hand["dw"]) < 1e-11 and rel_err(ref["db"], hand["db"]) < 1e-11
+    for red in ("sum", "none"):                                          # ignored for "sum" and "none"
+        a = flce_reference(x, w, t, bias=b, class_weights=cw, reduction=red, normalizer=(3.0, 4.0))
+        c = flce_reference(x, w, t, bias=b, class_weights=cw, reduction=red)
+        assert np.array_equal(a["loss"], c["loss"]) and np.array_equal(a["dx"], c["dx"])
+    zero_d = flce_reference(x, w, t, bias=b, class_weights=cw, z_loss=s, normalizer=(0.0, 25.0))
+    assert zero_d["loss"] == pytest.approx(s * float((lse**2).sum()) / 25.0, rel=1e-12)   # CE part 0
+
+
+def test_negative_class_weights_match_cross_entropy_and_zero_d_is_zero():
+    x, w, b, t, cw = _problem(seed=13)
+    cw = cw - 1.2                                             # both signs, D = Σ w_y still away from 0
+    assert (cw < 0).any() and (cw > 0).any()
+    loss, dx, dw, db = _torch_ce(x, w, b, t, cw, "mean", 0.1, torch.tensor(1.0, dtype=F64))
+    ref = flce_reference(x, w, t, bias=b, class_weights=cw, label_smoothing=0.1)
+    for key, want in [("loss", loss), ("dx", dx), ("dw", dw), ("db", db)]:
+        _close(ref[key], want, what=key)
+    valid = (t != IGNORE_INDEX).nonzero()[:, 0]
+    t2 = torch.full_like(t, IGNORE_INDEX)
+    t2[valid[:2]] = torch.tensor([3, 4])
+    cw2 = torch.zeros(37, dtype=F64)
+    cw2[3], cw2[4] = 1.5, -1.5                                # D = 0 exactly, with nonzero weights
+    ref = flce_reference(x, w, t2, class_weights=cw2, z_loss=1e-2)
+    assert np.isfinite(ref["loss"]) and np.isfinite(ref["dx"]).all()
+    assert ref["loss"] == pytest.approx(float(ref["z_loss"]), rel=1e-12) and ref["loss"] > 0
+
+
+def test_argmax_stat_by_hand():
+    w = torch.eye(4, dtype=F64)                               # logits == x
+    x = torch.tensor([[1.0, 3, 3, 0], [5, 0, 0, 0], [0, 0, 0, 2], [1, 1, 1, 1]], dtype=F64)
+    t = torch.tensor([2, 0, 3, IGNORE_INDEX])
+    for red in ("mean", "none"):
+        np.testing.assert_array_equal(flce_reference(x, w, t, reduction=red)["argmax"], [1, 0, 3, -1])
+    x3, t3 = x.reshape(2, 2, 4), t.reshape(2, 2)
+    got = flce_reference(x3, w, t3, softcap=1.0)["argmax"]
+    assert got.shape == (2, 2) and got.dtype == np.int64 and got.tolist() == [[1, 0], [3, -1]]
 
 
 # ----------------------------------------------------------------------------- CPO by explicit loops
@@ -382,6 +480,133 @@ def test_cpo_finite_difference(loss_type):
     assert ref["db"][2] == pytest.approx(fd, rel=1e-6)
 
 
+# ----------------------------------------------------------------------------- SPEC §4 log-probs
+def _hand_logprobs(x, w, t, *, b=None, cap=None, temp=1.0, gl=None, ge=None):
+    """SPEC §4 in numpy with the gradient derived by hand: dlogp/dz = onehot − p, dH/dz = −p (z − Σ p z)."""
+    x, w, t = as_float64(x), as_float64(w), np.asarray(t)
+    lead, h = t.shape, w.shape[1]
+    X, T = x.reshape(-1, h), t.reshape(-1)
+    r = X @ w.T + (0.0 if b is None else as_float64(b))
+    z = (cap * np.tanh(r / cap) if cap else r) / temp
+    m = z.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    p = np.exp(z - lse[:, None])
+    valid = T != IGNORE_INDEX
+    rows, y = np.arange(len(T)), np.where(valid, T, 0)
+    mu = (p * z).sum(axis=1)
+    logp, ent = np.where(valid, z[rows, y] - lse, 0.0), np.where(valid, lse - mu, 0.0)
+    onehot = np.zeros_like(z)
+    onehot[rows, y] = 1.0
+    cot = [np.zeros(len(T)) if c is None else as_float64(c).reshape(-1) * valid for c in (gl, ge)]
+    dz = cot[0][:, None] * (onehot - p) - cot[1][:, None] * p * (z - mu[:, None])
+    dr = dz / temp * ((1 - np.tanh(r / cap) ** 2) if cap else 1.0)
+    return {"logp": logp.reshape(lead), "entropy": ent.reshape(lead), "dx": (dr @ w).reshape(x.shape),
+            "dw": dr.T @ X, "db": dr.sum(axis=0)}
+
+
+@pytest.mark.parametrize("cap, temp", [(None, 1.0), (None, 0.7), (4.0, 1.3)])
+def test_logprobs_match_log_softmax_and_hand_formulas(cap, temp):
+    x, w, b, t, _ = _problem(seed=14, scale=10.0)
+    gen = torch.Generator().manual_seed(3)
+    gl, ge = torch.randn(12, generator=gen, dtype=F64), torch.randn(12, generator=gen, dtype=F64)
+    ref = logprobs_reference(x, w, t, bias=b, softcap=cap, temperature=temp, grad_logp=gl, grad_entropy=ge)
+    xx, ww, bb = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    r = xx @ ww.T + bb
+    lp = torch.log_softmax((cap * torch.tanh(r / cap) if cap else r) / temp, dim=1)
+    valid = t != IGNORE_INDEX
+    logp = torch.where(valid, lp.gather(1, torch.where(valid, t, 0)[:, None])[:, 0], 0.0)
+    ent = torch.where(valid, -(lp.exp() * lp).sum(dim=1), 0.0)
+    (logp * gl + ent * ge).sum().backward()
+    for key, want in [("logp", logp), ("entropy", ent), ("dx", xx.grad), ("dw", ww.grad), ("db", bb.grad)]:
+        # entropy = lse − Σ p z: float64 round-off of the two O(lse) terms, absolute
+        _close(ref[key], want.detach(), atol=1e-12 if key == "entropy" else 1e-13, what=key)
+    hand = _hand_logprobs(x, w, t, b=b, cap=cap, temp=temp, gl=gl, ge=ge)
+    for key in hand:
+        assert rel_err(ref[key], hand[key]) < 1e-11, key
+    assert ref["logp"][1] == 0.0 and ref["entropy"][7] == 0.0 and np.abs(ref["entropy"]).min() == 0.0
+    assert (ref["entropy"][valid.numpy()] > 0).all() and (ref["logp"] <= 0).all()
+
+
+def test_logprobs_cotangents_are_optional_and_ignored_rows_stay_out():
+    x, w, _, t, _ = _problem(seed=15)
+    x3, t3 = x.reshape(3, 4, 8).clone(), t.reshape(3, 4)
+    x3[0, 1] = float("nan")                                    # row 1 is ignored: NaN must not leak
+    gl = torch.linspace(-1, 1, 12, dtype=F64).reshape(3, 4)
+    none = logprobs_reference(x3, w, t3)
+    assert not none["dx"].any() and not none["dw"].any() and none["db"] is None and none["logp"].shape == (3, 4)
+    only_lp = logprobs_reference(x3, w, t3, grad_logp=gl)
+    hand = _hand_logprobs(np.nan_to_num(as_float64(x3)), w, t3, gl=gl)
+    assert rel_err(only_lp["dw"], hand["dw"]) < 1e-11 and rel_err(only_lp["dx"], hand["dx"]) < 1e-11
+    assert np.isfinite(only_lp["dx"]).all() and not only_lp["dx"][0, 1].any()
+    only_ent = logprobs_reference(x3, w, t3, grad_entropy=gl)
+    assert rel_err(only_ent["dw"], _hand_logprobs(np.nan_to_num(as_float64(x3)), w, t3, ge=gl)["dw"]) < 1e-11
+    for bad, name in (({"temperature": 0.0}, "temperature"), ({"softcap": -1.0}, "softcap")):
+        with pytest.raises(ValueError, match=name):
+            logprobs_reference(x, w, t, **bad)
+
+
+def test_logprobs_finite_difference():
+    x, w, b, t, _ = _problem(seed=16, scale=6.0)
+    ge = torch.ones(12, dtype=F64)
+    ref = logprobs_reference(x, w, t, bias=b, softcap=3.0, temperature=0.7, grad_entropy=ge)
+    h = 1e-6
+    bp, bm = b.clone(), b.clone()
+    bp[5] += h
+    bm[5] -= h
+    ent = lambda bb: _hand_logprobs(x, w, t, b=bb, cap=3.0, temp=0.7)["entropy"].sum()  # noqa: E731
+    assert ref["db"][5] == pytest.approx((ent(bp) - ent(bm)) / (2 * h), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- chunked on the device
+def _chunked_equals_whole(got: dict, want: dict, keys):
+    for k in keys:
+        if want[k] is None:
+            assert got[k] is None, k
+            continue
+        assert rel_err(got[k], want[k]) < 1e-12, k
+
+
+@pytest.mark.parametrize("case", [c for c in small_cases() if c.name in (
+    "all_options_bf16", "all_options_none_f16", "all_ignored", "softcap", "class_weights", "none_3d", "sum_bf16")]
+    + small_option_cases(), ids=lambda c: c.name)
+def test_flce_on_device_by_chunks_matches_the_whole(case):
+    inp = case_inputs(case)
+    want = flce_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
+                          class_weights=inp["class_weights"], grad_output=inp["grad_loss"], **case.options())
+    got = reference.flce_on_device(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
+                                   class_weights=inp["class_weights"], grad_output=inp["grad_loss"],
+                                   chunk_bytes=3 * case.v * 8, stats=True, **case.options())   # 3-row chunks
+    assert got["dx"].dtype == torch.float64 and got["dw"].device == inp["weight"].device
+    _chunked_equals_whole(got, want, ("loss", "dx", "dw", "db", "lse", "z_loss", "accuracy"))
+    assert torch.equal(got["argmax"], torch.from_numpy(want["argmax"]))
+
+
+@pytest.mark.parametrize("case", small_cpo_cases() + [
+    CpoCase("simpo_avg_false_bias", 3, 5, 16, 40, "float32", loss_type="simpo", bias=True,
+            average_log_prob=False, prompt_frac=0.4, seed=9)], ids=lambda c: c.name)
+def test_cpo_on_device_by_pairs_matches_the_whole(case):
+    inp = make_cpo_inputs(case)
+    want = cpo_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"], **case.options())
+    got = reference.cpo_on_device(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"], chunk_bytes=1,
+                                  **case.options())                          # one pair per chunk
+    _chunked_equals_whole(got, want, ("loss", "dx", "dw", "db", "nll_loss"))
+    want_logps = np.concatenate([want["chosen_logps"], want["rejected_logps"]])
+    assert rel_err(got["logps"], want_logps) < 1e-12
+
+
+@pytest.mark.parametrize("case", small_logprob_cases(), ids=lambda c: c.name)
+def test_logprobs_on_device_by_chunks_matches_the_whole(case):
+    inp = case_inputs(case)
+    kw = dict(bias=inp["bias"], grad_logp=inp["grad_logp"], grad_entropy=inp["grad_entropy"], **case.options())
+    want = logprobs_reference(inp["x"], inp["weight"], inp["targets"], **kw)
+    got = reference.logprobs_on_device(inp["x"], inp["weight"], inp["targets"], chunk_bytes=2 * case.v * 8, **kw)
+    _chunked_equals_whole(got, want, ("logp", "entropy", "dx", "dw", "db"))
+    hand = _hand_logprobs(inp["x"], inp["weight"], inp["targets"], b=inp["bias"], cap=case.softcap,
+                          temp=case.temperature, gl=inp["grad_logp"], ge=inp["grad_entropy"])
+    for key in ("logp", "entropy", "dx", "dw") + (("db",) if case.bias else ()):
+        assert rel_err(want[key], hand[key]) < 1e-11, key
+
+
 # ----------------------------------------------------------------------------- error measures
 def test_rel_err_known_values():
     assert rel_err(np.array([3.0, 5.0]), np.array([3.0, 4.0])) == pytest.approx(0.2)
@@ -471,3 +696,17 @@ def test_make_inputs():
     assert not torch.equal(make_inputs(Case("gen", (4, 50), 32, 300, "bfloat16", seed=8))["x"], a["x"])
     none = make_inputs(Case("n", (5,), 8, 130, "float32", ignore_frac=1.0))
     assert bool((none["targets"] == IGNORE_INDEX).all()) and none["bias"] is None
+
+
+def test_make_inputs_new_options():
+    base = Case("opt", (40,), 16, 500, "bfloat16", bias=True, class_weights=True, seed=5)
+    signed = make_inputs(Case("opt", (40,), 16, 500, "bfloat16", bias=True, class_weights=True, seed=5,
+                              negative_class_weights=True, bias_dtype="float32", token_scaling=True))
+    plain = make_inputs(base)
+    cw = signed["class_weights"]
+    assert (cw < 0).any() and cw.min() >= -1.0 and cw.max() < 2.0 and int((cw == 0).sum()) == 5
+    assert torch.equal(cw == 0, plain["class_weights"] == 0)           # the same draws, another range
+    assert signed["bias"].dtype == torch.float32 and plain["bias"].dtype == torch.bfloat16
+    assert torch.equal(signed["bias"].bfloat16(), plain["bias"]) and torch.equal(signed["x"], plain["x"])
+    assert base.options() == {"reduction": "mean", "label_smoothing": 0.0, "z_loss": 0.0, "softcap": None}
+    assert Case("n", (4,), 8, 20, "float32", normalizer=(3.0, 4.0)).options()["normalizer"] == (3.0, 4.0)

@@ -1,32 +1,48 @@
 #!/usr/bin/env bash
-# One GPU session in one call: correctness first (python -m parity), then the benchmarks asked for; every
-# report goes into $OUT/results.tgz (the device tool returns few files), a short summary is printed last.
+# One GPU session in one call: the jobs asked for, in order; every report goes into $OUT/results.tgz (packed
+# again after each job, so that a call stopped at its time limit still returns what finished), and a short
+# summary is printed last.
 #
 # Usage (on the GPU machine, from the repo root):
-#   source .whl/install.sh && bash tools/gpu_run.sh parity op cpo        # any of: parity op cpo sft profile
-# Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, CPO_ARGS, SFT_ARGS.
+#   source .whl/install.sh && bash tools/gpu_run.sh gputests peers parity op logprobs cpo sft profile
+# Jobs:
+#   gputests  pytest on the GPU: torch.compile (inductor), the float32 policy, the tests marked gpu
+#   peers     the peers' own test files against the drop-ins (needs .peers/sdist and .peers/cce-main carried)
+#   parity    python -m parity          op, logprobs, cpo, sft, profile: python -m bench <job>
+# Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, LOGPROBS_ARGS, CPO_ARGS, SFT_ARGS;
+# JOB_TIMEOUT (seconds, default 1800) bounds each job, <JOB>_TIMEOUT (e.g. PARITY_TIMEOUT) one of them.
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
 results=$(mktemp -d)
 status=0
 for job in "$@"; do
-  echo "=== $job ($(date +%T))"
+  bound="${job^^}_TIMEOUT"
+  limit=${!bound:-${JOB_TIMEOUT:-1800}}
+  echo "=== $job ($(date +%T), at most ${limit} s)"
+  mkdir -p "$results/$job"
   case $job in
-    parity)  python -m parity --no-progress --out "$results/parity" ${PARITY_ARGS:-} ;;
-    op)      python -m bench op --out "$results/bench" ${OP_ARGS:-} ;;
-    cpo)     python -m bench cpo --out "$results/bench" ${CPO_ARGS:-} ;;
-    sft)     python -m bench sft --out "$results/bench" ${SFT_ARGS:-} ;;
-    profile) python -m bench sft --profile --out "$results/bench" ${SFT_ARGS:-} ;;
-    *)       echo "unknown job $job (parity op cpo sft profile)"; false ;;
+    gputests) FCE_TEST_DEVICE=cuda timeout "$limit" python -m pytest -q -p no:warnings -o addopts="" \
+                tests/test_compile.py tests/test_float32_policy.py -m "gpu or not gpu" \
+                --junitxml "$results/$job/junit.xml" 2>&1 | tail -25 ;;
+    peers)    timeout "$limit" python -m tests.peers --device cuda --offline --json "$results/$job/peers.json" &&
+              timeout "$limit" python -m tests.peers --device cuda --offline --cce-tests main --only cce-main \
+                --json "$results/$job/peers-cce-main.json" ;;
+    parity)   timeout "$limit" python -m parity --no-progress --out "$results/$job" ${PARITY_ARGS:-} ;;
+    op)       timeout "$limit" python -m bench op --out "$results/$job" ${OP_ARGS:-} ;;
+    logprobs) timeout "$limit" python -m bench logprobs --out "$results/$job" ${LOGPROBS_ARGS:-} ;;
+    cpo)      timeout "$limit" python -m bench cpo --out "$results/$job" ${CPO_ARGS:-} ;;
+    sft)      timeout "$limit" python -m bench sft --out "$results/$job" ${SFT_ARGS:-} ;;
+    profile)  timeout "$limit" python -m bench sft --profile --out "$results/$job" ${SFT_ARGS:-} ;;
+    *)        echo "unknown job $job"; false ;;
   esac
-  rc=$?
+  rc=${PIPESTATUS[0]}
   echo "=== $job exit $rc ($(date +%T))"
-  [ $rc -eq 0 ] || status=$rc
+  [ "$rc" -eq 0 ] || status=$rc
+  tar czf "$out/results.tgz" -C "$results" .
 done
-tar czf "$out/results.tgz" -C "$results" .
 echo "=== summary"
-for md in "$results"/parity/*.md "$results"/bench/*.md; do
-  [ -f "$md" ] && { echo "--- $(basename "$md")"; grep -E '^\|' "$md" | head -40; }
+for md in "$results"/*/*.md; do
+  [ -f "$md" ] && { echo "--- $md"; grep -E '^\|' "$md" | head -60; }
 done
 exit $status

@@ -1,11 +1,6 @@
-"""The CPO kernels: a pair's sequence log-probs -> its loss and the scale of its tokens' dZ; the total.
-
-With L1_t = lse - z_y of every token, fixed-order sums over T give each sequence's -logp, and
-
-    dloss/dz_c = a_t (p_c - [c == y_t]),   a_t = kappa [t chosen] - v_seq   (valid tokens; 0 otherwise)
-
-with v = dloss/dlogp_seq * d logp_seq / d sum and kappa = alpha / n_chosen (the NLL term): dZ written with the
-unit coefficients (a = 1, b = -1) is scaled by a_t once its pair is known. Twin: fce_torch/kernels/cpo_pairs.py.
+"""The CPO pair and total kernels in Pallas, fce_torch's twin: the pairs' losses, rewards and token scales
+from the sequences' sums of L1, then the total (docs/NUMERICS.md, "CPO"). Chosen and rejected sides are the
+leading axis of the refs. Twin: fce_torch/kernels/cpo_pairs.py.
 """
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,6 @@
 """Pass B over a chunk of float32 logits: dZ = a p + b [c == y] + c w_c (+ d p (z - mu)), times the derivative of
-the logit transform; a later per-row scale of kept dZ rows; and db.
+the logit transform; a later per-row scale of kept dZ rows; and db. A row whose coefficients are all 0
+(ignored) gets dZ = 0 exactly, whatever its logits (even NaN).
 
 Twin: fce_torch/kernels/dlogits.py (which writes dZ into the logits' own memory; XLA owns the buffers here).
 """
@@ -28,8 +29,10 @@ def _dlogits_kernel(z_ref, bias_ref, y_ref, cw_ref, lse_ref, a_ref, b_ref, c_ref
     out_rs = pl.ds(row0_ref[0] + r0, br)
     y = pltriton.load(y_ref.at[rs], mask=row_ok, other=0)
     lse, a, b, c = (pltriton.load(ref.at[rs], mask=row_ok, other=0.0) for ref in (lse_ref, a_ref, b_ref, c_ref))
+    live = (a != 0.0) | (b != 0.0) | (c != 0.0)
     if entropy:
         d, mu = (pltriton.load(ref.at[rs], mask=row_ok, other=0.0) for ref in (d_ref, mu_ref))
+        live = live | (d != 0.0)
 
     def body(k, carry):
         c0 = k * bv
@@ -53,6 +56,7 @@ def _dlogits_kernel(z_ref, bias_ref, y_ref, cw_ref, lse_ref, a_ref, b_ref, c_ref
             dz = fm.mul(dz, fm.fma(-t, t, 1.0, asm), asm)
         if transform.has_temperature:
             dz = fm.div(dz, transform.temperature, asm)
+        dz = jnp.where(live[:, None], dz, 0.0)
         pltriton.store(dz_ref.at[out_rs, pl.ds(c0, bv)], dz.astype(dz_ref.dtype), mask=mask)
         return carry
 

@@ -1,15 +1,7 @@
-"""The FLCE head: per-row statistics -> per-row loss and gradient coefficients.
-
-For a valid row (target y != ignore_index), with L1 = lse - z_y and q = sum_c w_c (z_c - z_y):
-
-    CE   = (1 - eps) w_y L1 + (eps / V) (W_sum L1 - q)          Z = s lse^2
-    dloss/dz_c = a p_c + b [c == y] + c_ w_c                    (before the logit transform's derivative)
-    a = rho ((1 - eps) w_y + (eps / V) W_sum) + rho_z 2 s lse,  b = -rho (1 - eps) w_y,  c_ = -rho eps / V
-
-rho, rho_z are 1/D, 1/n ("mean"; 0 when D = 0 or n = 0), or 1 ("sum", "none"), times the row's cotangent g
-when one is given (the backward of "none", or of any reduction whose lse is differentiated), times the
-stop-gradient p(y) = exp(z_y - lse) with token scaling (Liger's ``use_token_scaling``). A cotangent g_lse of the
-row's lse adds g_lse to a. Ignored rows give 0. Twin: fce_torch/kernels/flce_head.py.
+"""The FLCE head as a Pallas kernel, the twin of fce_torch's: loss rows, z-loss part, lse, correctness and the
+gradient coefficients a, b, c, with the same optional cotangents g, g_lse and token scaling (formulas in
+docs/NUMERICS.md, "The head kernels"). The options arrive as a static FlceOptions.
+Twin: fce_torch/kernels/flce_head.py.
 """
 import jax
 import jax.numpy as jnp
@@ -28,6 +20,17 @@ F32 = jnp.float32
 ROW_OUTPUTS = ("lse", "loss", "zrow", "correct", "a", "b", "c")
 
 
+def row_lse(m_ref, s_ref, zy_ref, y_ref, rs, ok, vocab, ignore_index, asm):
+    """A block of rows' targets and statistics -> (y, valid, y in [0, V), s, lg2 s, lse, L1 = lse - z_y)."""
+    y = pltriton.load(y_ref.at[rs], mask=ok, other=0)
+    m = pltriton.load(m_ref.at[rs], mask=ok, other=0.0)
+    s = pltriton.load(s_ref.at[rs], mask=ok, other=1.0)
+    zy = pltriton.load(zy_ref.at[rs], mask=ok, other=0.0)
+    lg = fm.lg2(s, asm)
+    return (y, ok & (y != ignore_index), (y >= 0) & (y < vocab), s, lg, fm.fma(lg, LN2, m, asm),
+            fm.fma(lg, LN2, m - zy, asm))
+
+
 def _flce_head_kernel(m_ref, s_ref, zy_ref, q_ref, amax_ref, y_ref, wy_ref, g_ref, glse_ref, scal_ref,
                       lse_ref, loss_ref, zrow_ref, correct_ref, a_ref, b_ref, c_ref,
                       *, n_rows, vocab, opt, has_q, has_cw, has_g, has_glse, asm, block):
@@ -35,12 +38,7 @@ def _flce_head_kernel(m_ref, s_ref, zy_ref, q_ref, amax_ref, y_ref, wy_ref, g_re
     rows = r0 + lax.iota(jnp.int32, block)
     ok = rows < n_rows
     rs = pl.ds(r0, block)
-    y = pltriton.load(y_ref.at[rs], mask=ok, other=0)
-    valid = ok & (y != opt.ignore_index)
-    in_range = (y >= 0) & (y < vocab)
-    m = pltriton.load(m_ref.at[rs], mask=ok, other=0.0)
-    s = pltriton.load(s_ref.at[rs], mask=ok, other=1.0)
-    zy = pltriton.load(zy_ref.at[rs], mask=ok, other=0.0)
+    y, valid, in_range, s, lg, lse, l1 = row_lse(m_ref, s_ref, zy_ref, y_ref, rs, ok, vocab, opt.ignore_index, asm)
     w_sum = jnp.broadcast_to(scal_ref[2], (block,))
     if has_cw:
         w_y = pltriton.load(wy_ref.at[rs], mask=valid, other=0.0)
@@ -50,9 +48,6 @@ def _flce_head_kernel(m_ref, s_ref, zy_ref, q_ref, amax_ref, y_ref, wy_ref, g_re
     one_minus_eps, eps_over_v = 1.0 - eps, eps / vocab
     zcoef, two_zcoef = float(opt.z_loss), 2.0 * float(opt.z_loss)
 
-    lg = fm.lg2(s, asm)
-    lse = fm.fma(lg, LN2, m, asm)
-    l1 = fm.fma(lg, LN2, m - zy, asm)
     k1w = fm.mul(one_minus_eps, w_y, asm)
     if has_q:
         q = pltriton.load(q_ref.at[rs], mask=ok, other=0.0)
@@ -72,7 +67,7 @@ def _flce_head_kernel(m_ref, s_ref, zy_ref, q_ref, amax_ref, y_ref, wy_ref, g_re
         g = pltriton.load(g_ref.at[rs], mask=ok, other=0.0)
         rho, rho_z = fm.mul(rho, g, asm), fm.mul(rho_z, g, asm)
     if opt.token_scaling:
-        p_y = fm.ex2((zy - lse) * LOG2E, asm)
+        p_y = fm.ex2((pltriton.load(zy_ref.at[rs], mask=ok, other=0.0) - lse) * LOG2E, asm)
         rho, rho_z = fm.mul(rho, p_y, asm), fm.mul(rho_z, p_y, asm)
     zrow = fm.mul(zl, rho_z, asm)
     loss = fm.fma(ce, rho, zrow, asm)

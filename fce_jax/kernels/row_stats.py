@@ -1,15 +1,6 @@
-"""Pass A over a chunk of float32 logits: per-row statistics, with no float reduction of compiler-chosen order.
-
-For rows i of the chunk (blocks of rows, a sequential loop over V in blocks of BV columns) the kernel keeps
-the running max `m_i` and, per (row, slot j), the elementwise accumulators
-
-    S[i, j] = sum over blocks of e,  e = 2**((z - m_i) * log2 e)     (rescaled when m_i moves)
-    Q[i, j] = sum over blocks of w_c * (z_c - z_y)                    (label smoothing only)
-    P[i, j] = sum over blocks of e * (z - m_i)                        (entropy only; rescaled like S, and
-                                                                      shifted by (m_old - m_new) S when m moves)
-
-plus the exact target logit z_y and the first argmax. The [rows, BV] partials are summed by
-`sums.pairwise_sum` in a fixed order. Twin: fce_torch/kernels/row_stats.py.
+"""The row-statistics pass as a Pallas kernel (the Triton lowering on the GPU): the same per-row max, target
+logit, first argmax and slot partials S, Q, P as fce_torch's, instruction for instruction (docs/NUMERICS.md,
+"Per chunk", step 2), with the loop over V as a `lax.fori_loop`. Twin: fce_torch/kernels/row_stats.py.
 """
 import jax
 import jax.numpy as jnp
@@ -98,14 +89,6 @@ def _row_stats_kernel(z_ref, bias_ref, ry_ref, cw_ref, m_ref, zy_ref, amax_ref, 
 def row_pass(cfg=None):
     """The row-pass configuration: `cfg`, else the GPU's, or the interpreter's wider row blocks."""
     return cfg or (ROW_PASS_INTERPRETER if interpret_mode() else ROW_PASS)
-
-
-def target_logits(z, y, bias):
-    """The raw target logit of each row (bias added; float32), 0 where y is outside [0, V)."""
-    vocab = z.shape[1]
-    y_safe = jnp.where((y >= 0) & (y < vocab), y, 0)
-    r_y = jnp.take_along_axis(z, y_safe[:, None], axis=1)[:, 0]
-    return r_y if bias is None else r_y + bias[y_safe].astype(F32)
 
 
 def row_stats(z, bias, r_y, class_weights, *, spec, transform, cfg=None):

@@ -1,11 +1,6 @@
-"""The CPO kernels: a pair's sequence log-probs -> its loss and the scale of its tokens' dZ; the total.
-
-With L1_t = lse - z_y of every token, fixed-order sums over T give each sequence's -logp, and
-
-    dloss/dz_c = a_t (p_c - [c == y_t]),   a_t = kappa [t chosen] - v_seq   (valid tokens; 0 otherwise)
-
-with v = dloss/dlogp_seq * d logp_seq / d sum and kappa = alpha / n_chosen (the NLL term): dZ written with the
-unit coefficients (a = 1, b = -1) is scaled by a_t once its pair is known. Twin: fce_jax/kernels/cpo_pairs.py.
+"""The CPO kernels in Triton: each pair's summed token log-probs -> its loss (sigmoid / hinge / ipo / simpo,
+label smoothing, averaging), the rewards, and the per-token scale of the unit-coefficient dZ; and the total
+with the NLL term (docs/NUMERICS.md, "CPO"). Twin: fce_jax/kernels/cpo_pairs.py.
 """
 import torch
 import triton

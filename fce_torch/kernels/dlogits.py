@@ -2,9 +2,11 @@
 the logit transform; a later per-row scale of kept dZ rows; and db.
 
 p = softmax(z) comes from the row's lse; the entropy term (d, mu = E[z]) is compiled in only when a head asks
-for it. The dZ kernel walks each block of rows left to right, so it may write its output into the logits' own
-memory (a 16-bit dZ row occupies the first half of its float32 row): every write lands on columns this program
-has already read, once a barrier has made sure that all of its warps have read the current block (`IN_PLACE`).
+for it. A row whose coefficients are all 0 (ignored) gets dZ = 0 exactly, whatever its logits (even NaN).
+
+The dZ kernel walks each block of rows left to right, so it may write its output into the logits' own memory
+(a 16-bit dZ row occupies the first half of its float32 row): every write lands on columns this program has
+already read, once a barrier has made sure that all of its warps have read the current block (`IN_PLACE`).
 Twin: fce_jax/kernels/dlogits.py.
 """
 import torch
@@ -30,9 +32,11 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
     a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
     b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
     c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
+    live = (a != 0.0) | (b != 0.0) | (c != 0.0)
     if HAS_ENTROPY:
         d = tl.load(d_ptr + rows, mask=row_ok, other=0.0)
         mu = tl.load(mu_ptr + rows, mask=row_ok, other=0.0)
+        live = live | (d != 0.0)
     cols0 = tl.arange(0, BV)
     for start in range(0, V, BV):
         cols = start + cols0
@@ -55,6 +59,7 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
             dz = fm.mul(dz, fm.fma(-t, t, 1.0, ASM), ASM)
         if HAS_TEMP:
             dz = fm.div(dz, temperature, ASM)
+        dz = tl.where(live[:, None], dz, 0.0)
         if IN_PLACE:
             tl.debug_barrier()
         tl.store(dz_ptr + rows64[:, None] * stride_dz + cols[None, :], fm.to_dtype(dz, dz_ptr.dtype.element_ty, ASM),

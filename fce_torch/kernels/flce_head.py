@@ -1,15 +1,7 @@
-"""The FLCE head: per-row statistics -> per-row loss and gradient coefficients.
-
-For a valid row (target y != ignore_index), with L1 = lse - z_y and q = sum_c w_c (z_c - z_y):
-
-    CE   = (1 - eps) w_y L1 + (eps / V) (W_sum L1 - q)          Z = s lse^2
-    dloss/dz_c = a p_c + b [c == y] + c_ w_c                    (before the logit transform's derivative)
-    a = rho ((1 - eps) w_y + (eps / V) W_sum) + rho_z 2 s lse,  b = -rho (1 - eps) w_y,  c_ = -rho eps / V
-
-rho, rho_z are 1/D, 1/n ("mean"; 0 when D = 0 or n = 0), or 1 ("sum", "none"), times the row's cotangent g
-when one is given (the backward of "none", or of any reduction whose lse is differentiated), times the
-stop-gradient p(y) = exp(z_y - lse) with token scaling (Liger's ``use_token_scaling``). A cotangent g_lse of the
-row's lse adds g_lse to a. Ignored rows give 0. Twin: fce_jax/kernels/flce_head.py.
+"""The FLCE head in Triton: a chunk's row statistics -> each row's loss, z-loss part, lse, correctness and the
+coefficients a, b, c of its logits' gradient, for the three reductions, an optional per-row cotangent of the
+loss (g) and of lse (g_lse), and token scaling (docs/NUMERICS.md, "The head kernels", gives the formulas).
+Twin: fce_jax/kernels/flce_head.py.
 """
 import torch
 import triton
@@ -24,6 +16,18 @@ ROW_OUTPUTS = ("lse", "loss", "zrow", "correct", "a", "b", "c")
 
 
 @triton.jit
+def row_lse(m_ptr, s_ptr, zy_ptr, y_ptr, rows, ok, V, ignore_index, ASM: tl.constexpr):
+    """A block of rows' targets and statistics -> (y, valid, y in [0, V), s, lg2 s, lse, L1 = lse - z_y)."""
+    y = tl.load(y_ptr + rows, mask=ok, other=0)
+    m = tl.load(m_ptr + rows, mask=ok, other=0.0)
+    s = tl.load(s_ptr + rows, mask=ok, other=1.0)
+    zy = tl.load(zy_ptr + rows, mask=ok, other=0.0)
+    lg = fm.lg2(s, ASM)
+    return (y, ok & (y != ignore_index), (y >= 0) & (y < V), s, lg, fm.fma(lg, LN2, m, ASM),
+            fm.fma(lg, LN2, m - zy, ASM))
+
+
+@triton.jit
 def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_ptr, glse_ptr, scal_ptr,
                       lse_ptr, loss_ptr, zrow_ptr, correct_ptr, a_ptr, b_ptr, c_ptr,
                       n_rows, V, ignore_index, one_minus_eps, eps_over_v, zcoef, two_zcoef,
@@ -32,21 +36,12 @@ def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_pt
                       ASM: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n_rows
-    y = tl.load(y_ptr + rows, mask=ok, other=0)
-    valid = ok & (y != ignore_index)
-    in_range = (y >= 0) & (y < V)
-    m = tl.load(m_ptr + rows, mask=ok, other=0.0)
-    s = tl.load(s_ptr + rows, mask=ok, other=1.0)
-    zy = tl.load(zy_ptr + rows, mask=ok, other=0.0)
+    y, valid, in_range, s, lg, lse, l1 = row_lse(m_ptr, s_ptr, zy_ptr, y_ptr, rows, ok, V, ignore_index, ASM)
     w_sum = tl.load(scal_ptr + 2)
     if HAS_CW:
         w_y = tl.load(wy_ptr + rows, mask=valid, other=0.0)
     else:
         w_y = tl.where(valid, 1.0, 0.0)
-
-    lg = fm.lg2(s, ASM)
-    lse = fm.fma(lg, LN2, m, ASM)
-    l1 = fm.fma(lg, LN2, m - zy, ASM)
     k1w = fm.mul(one_minus_eps, w_y, ASM)
     if HAS_Q:
         q = tl.load(q_ptr + rows, mask=ok, other=0.0)
@@ -68,7 +63,7 @@ def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_pt
         rho = fm.mul(rho, g, ASM)
         rho_z = fm.mul(rho_z, g, ASM)
     if TOKEN_SCALING:
-        p_y = fm.ex2((zy - lse) * LOG2E, ASM)
+        p_y = fm.ex2((tl.load(zy_ptr + rows, mask=ok, other=0.0) - lse) * LOG2E, ASM)
         rho = fm.mul(rho, p_y, ASM)
         rho_z = fm.mul(rho_z, p_y, ASM)
     zrow = fm.mul(zl, rho_z, ASM)
@@ -93,7 +88,7 @@ def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_pt
     tl.store(c_ptr + rows, tl.where(valid, c, 0.0), mask=ok)
 
 
-def flce_head(stats, y, w_y, g, g_lse, scalars, *, opt, vocab, asm, cfg=HEAD):
+def flce_head(stats, y, w_y, g, g_lse, scalars, *, opt, vocab, asm=fm.ASM, cfg=HEAD):
     """Run the head on one chunk's rows. `stats`: the chunk's m, s, zy, amax (and q with label smoothing);
     `scalars` = float32 [D, n, W_sum]; `w_y` the targets' class weights, `g`/`g_lse` the rows' cotangents of
     the loss and of lse (each or None). `opt`: the FlceOptions. Returns a dict of float32 [rows] tensors named

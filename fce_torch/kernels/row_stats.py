@@ -1,15 +1,7 @@
-"""Pass A over a chunk of float32 logits: per-row statistics, with no float reduction of compiler-chosen order.
-
-For rows i of the chunk (blocks of rows, a sequential loop over V in blocks of BV columns) the kernel keeps
-the running max `m_i` and, per (row, slot j), the elementwise accumulators
-
-    S[i, j] = sum over blocks of e,  e = 2**((z - m_i) * log2 e)     (rescaled when m_i moves)
-    Q[i, j] = sum over blocks of w_c * (z_c - z_y)                    (label smoothing only)
-    P[i, j] = sum over blocks of e * (z - m_i)                        (entropy only; rescaled like S, and
-                                                                      shifted by (m_old - m_new) S when m moves)
-
-plus the exact target logit z_y and the first argmax. The [rows, BV] partials are summed by
-`sums.pairwise_sum` in a fixed order. Twin: fce_jax/kernels/row_stats.py.
+"""Pass A over a chunk of float32 logits, in Triton: per row the max, the target logit, the first argmax, and
+per (row, slot) the elementwise partial sums S (exponentials), Q (label smoothing) and P (entropy) that
+`sums.pairwise_sum` then adds in a fixed order (docs/NUMERICS.md, "Per chunk", step 2). One program holds a
+block of rows and walks V left to right. Twin: fce_jax/kernels/row_stats.py.
 """
 import torch
 import triton
@@ -101,14 +93,6 @@ def _row_stats_kernel(z_ptr, stride_z, bias_ptr, ry_ptr, cw_ptr,
 def row_pass(cfg=None):
     """The row-pass configuration: `cfg`, else the GPU's, or the interpreter's wider row blocks."""
     return cfg or (ROW_PASS if fm.ASM else ROW_PASS_INTERPRETER)
-
-
-def target_logits(z, y, bias):
-    """The raw target logit of each row (bias added; float32), 0 where y is outside [0, V)."""
-    vocab = z.shape[1]
-    y_safe = torch.where((y >= 0) & (y < vocab), y, 0)
-    r_y = z.gather(1, y_safe[:, None])[:, 0]
-    return r_y if bias is None else r_y + bias[y_safe].to(torch.float32)
 
 
 def row_stats(z, bias, r_y, class_weights, *, spec, transform, asm, cfg=None):

@@ -1,0 +1,57 @@
+"""The parts of the public docstrings that are the same in both twins (the contract, docs/SPEC.md), and the
+decorator that assembles a function's docstring from them and its framework's own parts."""
+
+CPO_SUMMARY = """Fused linear CPO loss (TRL's ``CPOTrainer.cpo_loss`` plus ``cpo_alpha`` NLL), without the logits."""
+
+CPO_ARGS = """\
+    x: ``[2B, T, H]`` hidden states: rows ``[0, B)`` chosen sequences, ``[B, 2B)`` rejected (Liger's layout).
+    weight: ``[V, H]`` LM head, same dtype as ``x``.
+    targets: ``[2B, T]`` integer targets, already shifted; ``ignore_index`` on prompt and padding tokens.
+    bias: optional ``[V]`` bias.
+    beta: the preference temperature (> 0).
+    alpha: weight of the NLL term (mean of ``lse - z_y`` over the valid chosen tokens).
+    label_smoothing: epsilon in [0, 1] of the sigmoid/simpo losses.
+    loss_type: ``"sigmoid"`` (CPO), ``"hinge"``, ``"ipo"`` or ``"simpo"`` (margin ``simpo_gamma / beta``).
+    average_log_prob: average the token log-probs of a sequence instead of summing them (default: True for
+        ipo and simpo, False otherwise, as TRL does). A sequence without valid tokens has log-prob 0.
+    return_stats: also return ``chosen_logps``, ``rejected_logps``, ``chosen_rewards`` (beta * logp),
+        ``rejected_rewards`` ([B] each) and ``nll_loss`` (no gradient).
+    chunk_rows: rows per chunk. When all rows' dZ would not fit (``fce_core.plan.plan_pairs``), the rows go
+        in groups of whole pairs of at most this many rows (at least one pair), and chunks of this many rows
+        run over each group.
+"""
+
+LOGPROBS_SUMMARY = """Per-token log-probabilities ``log softmax(z)[y]`` (and entropies) of ``z = x @ weight.T + bias``,
+without the logits: the primitive under GRPO / PPO / DPO / distillation losses."""
+
+LOGPROBS_ARGS = """\
+    x: ``[..., H]`` float32 / bfloat16 / float16 hidden states (any leading shape).
+    weight: ``[V, H]`` LM head, same dtype as ``x``.
+    targets: ``x.shape[:-1]`` integer token ids, already shifted; ``ignore_index`` rows give 0.
+    bias: optional ``[V]`` bias.
+    ignore_index: target value that marks a row to ignore (default -100).
+    softcap: c > 0 applies ``c * tanh(logits / c)`` first (Gemma-2/3), or None.
+    temperature: the (softcapped) logits are divided by it (> 0) before the softmax.
+    return_entropy: also return each row's entropy ``lse(z) - sum_c p_c z_c``.
+    chunk_rows: rows per chunk (default from the logits budget: see ``fce_core.plan``).
+"""
+
+LOGPROBS_RETURNS = """``logp`` (float32, the shape of targets; 0 on ignored rows), and ``entropy`` likewise when asked."""
+
+
+def doc(summary, args, *, framework="", framework_args="", returns="", raises=""):
+    """Set the decorated function's docstring: the summary, the framework's notes, the shared and the
+    framework's arguments, Returns and Raises."""
+    parts = [summary.strip() + "\n"]
+    if framework:
+        parts.append("\n" + framework.strip() + "\n")
+    parts.append("\nArgs:\n" + args + framework_args)  # both already indented by 4
+    for title, text in (("Returns", returns), ("Raises", raises)):
+        if text:
+            parts.append(f"\n{title}:\n    " + text.strip().replace("\n", "\n    ") + "\n")
+
+    def decorate(fn):
+        fn.__doc__ = "".join(parts)
+        return fn
+
+    return decorate

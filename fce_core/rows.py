@@ -1,0 +1,36 @@
+"""Row bookkeeping shared by both engines, over a twin's `fce_core.arrays.Arrays` namespace `xp`: the
+valid-first order of the rows, the raw target logits, and the reduction scalars of the FLCE head."""
+
+
+def valid_first(xp, y, ignore_index):
+    """(pos, order, n_valid): the stable permutation that puts the valid rows (y != ignore_index) first, the
+    ignored rows after them, each in their order; row i goes to pos[i], and order[j] is the row at position
+    j; n_valid the count (an integer array)."""
+    valid = y != ignore_index
+    n_valid = xp.count(valid)
+    pos = xp.where(valid, xp.cumsum(valid) - 1, n_valid + xp.cumsum(~valid) - 1)
+    return pos, xp.invert_permutation(pos), n_valid
+
+
+def target_logits(xp, z, y, bias):
+    """The raw target logit of each row of the float32 logits z (bias added); a row whose y is outside
+    [0, V) reads column 0 (its loss is masked, or NaN when y is not ignore_index)."""
+    safe = xp.where((y >= 0) & (y < z.shape[1]), y, 0)
+    r_y = xp.take_rows(z, safe)
+    return r_y if bias is None else r_y + xp.f32(bias[safe])
+
+
+def reduction_scalars(xp, y, class_weights, ignore_index, vocab, normalizer=None):
+    """(float32 [D, n, W_sum], w_y [N] or None): class-weighted and plain counts of the valid rows (or the
+    caller's `normalizer`, a [2] float32 array (D, n)), the sum of class weights, and each row's target
+    class weight."""
+    valid = y != ignore_index
+    n = xp.f32(xp.count(valid))
+    if class_weights is None:
+        w_y, counts, w_sum = None, xp.stack([n, n]), xp.full_like(n, float(vocab))
+    else:
+        w_y = xp.where(valid, class_weights[xp.where((y >= 0) & (y < vocab), y, 0)], 0.0)
+        counts, w_sum = xp.stack([xp.pairwise_sum(w_y), n]), xp.pairwise_sum(class_weights)
+    if normalizer is not None:
+        counts = xp.f32(normalizer)
+    return xp.concat([counts, w_sum[None]]), w_y

@@ -1,0 +1,103 @@
+"""fce_torch beyond one process (docs/SPEC.md §5, §1 `normalizer`): gloo ranks on the CPU, each result against
+the float64 reference of the global problem; vocab-parallel ranks agree bit for bit."""
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+
+import dist_torch
+from helpers import tolerances
+from parity.reference import flce_reference, logprobs_reference, cpo_reference, rel_err
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(job, size, tmp_path):
+    """The job on `size` gloo ranks: {rank: {name: array}}."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(dist_torch.run, args=(size, _port(), job, str(tmp_path)), nprocs=size, start_method="spawn")
+    return {r: dict(np.load(os.path.join(tmp_path, f"{job}-{r}.npz"))) for r in range(size)}
+
+
+def _check(name, got, ref, tol):
+    err = rel_err(got, ref)
+    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_vocab_parallel_matches_reference(size, tmp_path):
+    res = spawn("vocab_parallel", size, tmp_path)
+    for r in range(1, size):  # every rank returns the same loss, stats and dx
+        for k in ("loss", "lse", "argmax", "dx", "logp", "entropy", "lp_dx", "cpo", "cpo_dx"):
+            assert np.array_equal(res[r][k], res[0][k]), f"rank {r} {k} differs from rank 0"
+    inp = dist_torch.inputs()
+    loss_tol, grad_tol = tolerances("float32")
+    ref = flce_reference(inp["x"], inp["w"], inp["y"], bias=inp["b"], class_weights=inp["cw"], label_smoothing=0.1,
+                         z_loss=1e-3, softcap=15.0)
+    whole = lambda k: np.concatenate([res[r][k] for r in range(size)])  # noqa: E731
+    _check("loss", res[0]["loss"], ref["loss"], loss_tol)
+    valid = inp["y"].numpy() != -100
+    _check("lse", res[0]["lse"][valid], ref["lse"][valid], loss_tol)
+    assert np.array_equal(res[0]["argmax"][valid], ref["argmax"][valid])
+    for k, tol in (("dx", grad_tol), ("dw", grad_tol), ("db", grad_tol)):
+        _check(k, res[0][k] if k == "dx" else whole(k), ref[k], tol)
+    g = np.linspace(-1.0, 1.0, dist_torch.N)
+    lp = logprobs_reference(inp["x"], inp["w"], inp["y"], temperature=0.7, grad_logp=g, grad_entropy=np.ones_like(g))
+    _check("logp", res[0]["logp"], lp["logp"], loss_tol)
+    _check("entropy", res[0]["entropy"], lp["entropy"], 1e-4)
+    _check("logprobs dx", res[0]["lp_dx"], lp["dx"], grad_tol)
+    _check("logprobs dw", whole("lp_dw"), lp["dw"], grad_tol)
+    H = dist_torch.H
+    cpo = cpo_reference(inp["x"][:28].reshape(4, 7, H), inp["w"], inp["y"][:28].reshape(4, 7))
+    _check("cpo", res[0]["cpo"], cpo["loss"], loss_tol)
+    _check("cpo dx", res[0]["cpo_dx"], cpo["dx"].reshape(28, H), grad_tol)
+    _check("cpo dw", whole("cpo_dw"), cpo["dw"], grad_tol)
+
+
+def test_vocab_parallel_run_to_run(tmp_path):
+    a = spawn("vocab_parallel", 2, tmp_path / "a")
+    b = spawn("vocab_parallel", 2, tmp_path / "b")
+    for k in a[0]:
+        assert np.array_equal(a[0][k], b[0][k]), k
+
+
+def test_dtensor_weight_uneven_shards(tmp_path):
+    res = spawn("dtensor", 3, tmp_path)
+    inp = dist_torch.inputs(vocab=dist_torch.V - 1)
+    ref = flce_reference(inp["x"], inp["w"], inp["y"])
+    loss_tol, grad_tol = tolerances("float32")
+    _check("loss", res[0]["loss"], ref["loss"], loss_tol)
+    _check("dx", res[0]["dx"], ref["dx"], grad_tol)
+    _check("dw", res[0]["dw"], ref["dw"], grad_tol)
+
+
+def test_normalizer_gives_the_global_mean(tmp_path):
+    res = spawn("normalizer", 2, tmp_path)
+    inp = dist_torch.inputs()
+    ref = flce_reference(inp["x"], inp["w"], inp["y"])
+    loss_tol, grad_tol = tolerances("float32")
+    _check("loss", res[0]["loss"], ref["loss"], loss_tol)
+    _check("dw", res[0]["dw"], ref["dw"], grad_tol)
+
+
+@pytest.mark.parametrize("job", ["fsdp_head_unit", "fsdp_root", "fsdp_grouped_tied"])
+def test_fsdp2_with_the_hf_hook(job, tmp_path):
+    """FSDP2 whatever the wrapping of lm_head: the patched model's loss and every parameter's gradient equal
+    the plain unsharded model's (float32)."""
+    res = spawn(job, 2, tmp_path)
+    for r in range(2):
+        np.testing.assert_allclose(res[r]["loss"], res[r]["ref_loss"], rtol=1e-5)
+        for name in (k for k in res[r] if k.startswith("ref.")):
+            got = res[r]["fsdp." + name[4:]]
+            assert rel_err(got, res[r][name]) <= 1e-4, name
+
+
+def test_fsdp2_tied_head_as_its_own_unit_is_refused(tmp_path):
+    res = spawn("fsdp_tied_head_unit_refused", 2, tmp_path)
+    assert all(res[r]["refused"] == 1.0 for r in range(2))

@@ -1,0 +1,380 @@
+"""The planner (fce_core.plan) and the skipping of ignored rows in both engines.
+
+- `chunk_rows`, `layout`, `bounds`, `Plan` (groups, chunks, chunks_to_run, single_product), `plan_rows`,
+  `plan_pairs`, `pair_order`: against rules re-derived here (brute force over small sizes, the documented
+  budgets for the real shapes);
+- the engines' `valid_first` permutation (torch and JAX agree);
+- which chunks run: a marker head through each engine's `sweep` (which rows ran), and the logits GEMMs of a
+  `fused_lce` call counted by monkeypatching `fce_torch.gemm.mm` / `fce_jax.gemm.mm` (JAX: a runtime callback
+  per executed GEMM, since a chunk loop is traced once);
+- runs that skip chunks give the reference's results (lse and dx 0 on ignored rows), and fce_torch's bits do
+  not depend on ``validate`` (the host count that enables the skipping): FLCE with kept dZ and with the float32
+  dW accumulator, "none", token log-probs and CPO.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from fce_core.config import BUDGET
+from fce_core.heads import StatsSpec
+from fce_core.options import Transform
+from fce_core.plan import Plan, bounds, chunk_rows, layout, pair_order, pairs_per_group, plan_pairs, plan_rows
+from helpers import to_jax
+from parity.cases import IGNORE_INDEX, Case, make_inputs
+from twins import TORCH, check_flce, each_twin, quick_jit
+
+GiB = 1 << 30
+
+
+def _expected_default_rows(n_rows, vocab, budget, multiple=BUDGET.row_multiple):
+    """The largest multiple of `multiple` whose float32 logits fit in `budget` (at least one), capped at n_rows."""
+    k = 1
+    while (k + 1) * multiple * 4 * vocab <= budget:
+        k += 1
+    return max(1, min(n_rows, k * multiple))
+
+
+def _chunks_holding(n_rows, rows, n_valid):
+    """Brute force: the chunks of `bounds(n_rows, rows)` (first = remainder) holding any row < n_valid, at least
+    one."""
+    first = n_rows - (-(-n_rows // rows) - 1) * rows if n_rows else 0
+    starts = [0] + [first + i * rows for i in range(max(0, -(-n_rows // rows) - 1))]
+    return max(1, sum(1 for s in starts if s < n_valid))
+
+
+# ============================================================================ chunk_rows, layout, bounds
+def test_chunk_rows_requested_and_default():
+    assert chunk_rows(100, 1000, requested=7) == 7
+    assert chunk_rows(5, 1000, requested=7) == 5           # never more than the rows
+    assert chunk_rows(0, 1000, requested=7) == 1           # at least 1
+    for n, v in [(4096, 128256), (100000, 128256), (100000, 256000), (1 << 20, 1000), (3, 50)]:
+        for budget in (GiB, GiB // 2, GiB // 4):
+            assert chunk_rows(n, v, budget=budget) == _expected_default_rows(n, v, budget), (n, v, budget)
+    assert chunk_rows(100000, 128256) == 2048               # the 1 GiB default: 2093 rows fit, a multiple of 128
+    assert chunk_rows(100000, 10 ** 9) == 128               # at least one row multiple, whatever the budget
+    with pytest.raises(ValueError, match="chunk_rows"):
+        chunk_rows(10, 10, requested=0)
+
+
+@pytest.mark.parametrize("n_rows,rows", [(n, r) for n in (0, 1, 7, 8, 9, 37) for r in (1, 3, 8, 40)])
+def test_layout_and_bounds(n_rows, rows):
+    """Pieces cover [0, n_rows) in order; the first takes the remainder (1..rows rows, 0 without rows), the
+    others are full."""
+    first, n = layout(n_rows, rows)
+    spans = bounds(n_rows, rows)
+    assert len(spans) == n and spans[0] == (0, first)
+    assert n == max(1, -(-n_rows // rows))
+    assert (first == 0) if n_rows == 0 else (1 <= first <= rows)
+    assert all(b - a == rows for a, b in spans[1:])
+    assert all(spans[i][1] == spans[i + 1][0] for i in range(n - 1))
+    assert spans[-1][1] == n_rows
+
+
+# ============================================================================ Plan
+@pytest.mark.parametrize("n_rows,rows", [(1, 1), (13, 4), (29, 4), (32, 8), (40, 2), (5, 8)])
+def test_plan_chunks_to_run(n_rows, rows):
+    plan = Plan(n_rows, rows)
+    assert plan.groups == [(0, n_rows)]
+    assert plan.chunks(n_rows) == bounds(n_rows, rows)
+    for n_valid in range(n_rows + 1):
+        assert plan.chunks_to_run(n_valid) == _chunks_holding(n_rows, rows, n_valid), n_valid
+
+
+def test_plan_groups_and_single_product():
+    grouped = Plan(30, 7, True, 10)
+    assert grouped.groups == [(0, 10), (10, 20), (20, 30)]
+    assert grouped.chunks(10) == [(0, 3), (3, 10)]
+    assert Plan(50, 7, True, 20).groups == [(0, 10), (10, 30), (30, 50)]
+    # one GEMM writes dW (in the weight's dtype) with one group and kept dZ (when gradients are asked) or one
+    # chunk; never with groups
+    assert Plan(30, 8, True).single_product(True) and not Plan(30, 8, True).single_product(False)
+    assert Plan(8, 8).single_product(True) and Plan(8, 8).single_product(False)
+    assert not Plan(30, 8).single_product(True)
+    assert not grouped.single_product(True) and not grouped.single_product(False)
+    assert not Plan(10, 10, True, 10).single_product(True)
+
+
+# ============================================================================ plan_rows, plan_pairs, pair_order
+@pytest.mark.parametrize("n,h,v,itemsize,requested", list(itertools.product(
+    [1, 30, 4096, 16384], [16, 4096], [100, 128256], [2, 4], [None, 8])))
+def test_plan_rows_rule(n, h, v, itemsize, requested):
+    """dZ is kept only with gradients, several chunks, and all rows' dZ in the input dtype no larger than the
+    float32 dW accumulator (N * itemsize <= 4 H); then a default chunk takes the kept budget."""
+    for need_grads in (True, False):
+        p = plan_rows(n, h, v, itemsize, need_grads=need_grads, requested=requested)
+        rows = chunk_rows(n, v, requested)
+        keep = need_grads and rows < n and n * itemsize <= 4 * h
+        assert p.keep_dz == keep and p.group_rows is None and p.n_rows == n
+        want = requested if requested is not None else _expected_default_rows(
+            n, v, BUDGET.kept_logits if keep else BUDGET.logits)
+        assert p.rows == max(1, min(n, want)), (need_grads, p)
+
+
+def test_small_cases_run_both_dz_plans():
+    """The small cases of test_flce.py, at their chunk_rows (helpers.CASE_CHUNK_ROWS), run with dZ kept and with
+    the float32 dW accumulator, and with one chunk and several."""
+    from helpers import case_chunk_rows
+    from parity.cases import small_cases
+
+    plans = [plan_rows(c.rows, c.h, c.v, 4 if c.dtype == "float32" else 2, need_grads=True,
+                       requested=case_chunk_rows(c)) for c in small_cases()]
+    assert {p.keep_dz for p in plans} == {True, False}
+    assert {layout(p.n_rows, p.rows)[1] > 1 for p in plans} == {True, False}
+
+
+def test_plan_rows_real_shapes():
+    """The budgets at H=4096, V=128256 in bf16: 2 chunks of 1 GiB -> 4 of 512 MiB with dZ kept (N=4096; without
+    gradients 2); dZ not kept when it outgrows the dW accumulator (N=16384) or with one chunk (N=2048)."""
+    args = dict(need_grads=True)
+    assert plan_rows(4096, 4096, 128256, 2, **args) == Plan(4096, 1024, True)
+    assert plan_rows(4096, 4096, 128256, 2, need_grads=False) == Plan(4096, 2048, False)
+    assert plan_rows(16384, 4096, 128256, 2, **args) == Plan(16384, 2048, False)
+    assert plan_rows(2048, 4096, 128256, 2, **args) == Plan(2048, 2048, False)
+    assert plan_rows(30, 16, 100, 2, requested=8, **args) == Plan(30, 8, True)
+    assert plan_rows(30, 16, 100, 4, requested=8, **args) == Plan(30, 8, False)
+
+
+@pytest.mark.parametrize("n_pairs,seq_len,h,itemsize,requested", list(itertools.product(
+    [1, 3, 8], [5, 64], [16, 64, 4096], [2, 4], [None, 7, 20, 300])))
+def test_plan_pairs_rule(n_pairs, seq_len, h, itemsize, requested):
+    """CPO keeps dZ whenever gradients are asked: in one group when the row plan keeps it (or without
+    gradients: the row plan), else in groups of whole pairs of at most one row-plan chunk (at least one pair),
+    with chunks from the grouped budget."""
+    v = 130
+    n_rows = 2 * n_pairs * seq_len
+    p = plan_pairs(n_pairs, seq_len, h, v, itemsize, need_grads=True, requested=requested)
+    base = plan_rows(n_rows, h, v, itemsize, need_grads=True, requested=requested)
+    assert p.keep_dz and p.n_rows == n_rows
+    if base.keep_dz:
+        assert p == base
+    else:
+        per_group = min(n_pairs, max(1, base.rows // (2 * seq_len)))
+        assert per_group == pairs_per_group(n_pairs, seq_len, base.rows)
+        group_rows = 2 * per_group * seq_len
+        assert p.group_rows == (None if per_group == n_pairs else group_rows)
+        assert p.rows == chunk_rows(group_rows, v, requested, BUDGET.grouped_logits)
+        for g0, g1 in p.groups:                 # whole pairs in every group
+            assert (g1 - g0) % (2 * seq_len) == 0
+    assert plan_pairs(n_pairs, seq_len, h, v, itemsize, need_grads=False, requested=requested) == \
+        plan_rows(n_rows, h, v, itemsize, need_grads=False, requested=requested)
+
+
+@pytest.mark.parametrize("n_pairs,per_group", [(3, 1), (3, 2), (5, 2), (4, 4)])
+def test_pair_order(n_pairs, per_group):
+    """The sequences of each group of whole pairs together (its chosen, then its rejected ones), the groups in
+    Plan.groups' order (the first takes the remaining pairs); None with one group."""
+    seq_len = 5
+    plan = Plan(2 * n_pairs * seq_len, 7, True, None if per_group == n_pairs else 2 * per_group * seq_len)
+    order = pair_order(n_pairs, seq_len, plan)
+    if per_group == n_pairs:
+        assert order is None
+        return
+    assert sorted(order) == list(range(2 * n_pairs))
+    first = n_pairs - (-(-n_pairs // per_group) - 1) * per_group
+    groups = [range(0, first)] + [range(first + i * per_group, first + (i + 1) * per_group)
+                                  for i in range(-(-n_pairs // per_group) - 1)]
+    expected = [k for g in groups for k in [*g, *(n_pairs + p for p in g)]]
+    assert order == expected
+    # the sequences of group i fill that group's rows of Plan.groups
+    for (g0, g1), g in zip(plan.groups, groups):
+        assert (g1 - g0) == 2 * len(g) * seq_len
+
+
+# ============================================================================ valid_first
+def _targets(n, v, n_valid, seed):
+    """n targets, n_valid of them valid at random places, the others IGNORE_INDEX."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.full((n,), IGNORE_INDEX, dtype=torch.int64)
+    t[torch.randperm(n, generator=g)[:n_valid]] = torch.randint(0, v, (n_valid,), generator=g)
+    return t
+
+
+@pytest.mark.parametrize("n,n_valid", [(1, 0), (1, 1), (13, 0), (13, 5), (13, 13)])
+def test_valid_first(n, n_valid):
+    """(pos, order, n_valid): a stable permutation, valid rows first, each group in its order (order[j] is the row
+    at position j, pos its inverse), and the count; both twins give the same."""
+    from fce_jax import engine as jax_engine
+    from fce_torch import engine as torch_engine
+
+    y = _targets(n, 50, n_valid, seed=n + n_valid)
+    valid = (y != IGNORE_INDEX).numpy()
+    expected = np.concatenate([np.flatnonzero(valid), np.flatnonzero(~valid)])
+    for pos, order, count in (torch_engine.valid_first(y, IGNORE_INDEX),
+                              jax_engine.valid_first(to_jax(y), IGNORE_INDEX)):
+        pos, order = np.asarray(pos), np.asarray(order)
+        assert np.array_equal(order, expected)
+        assert np.array_equal(pos[order], np.arange(n)) and int(count) == n_valid
+
+
+# ============================================================================ which chunks run
+def _marker_fn(stats, inputs):
+    """1 on every row of a chunk that ran (skipped chunks leave 0), and the coefficients of a zero dZ."""
+    m = stats["m"]
+    one = torch.ones_like(m) if isinstance(m, torch.Tensor) else m * 0 + 1
+    return {"ran": one, "lse": one, "a": 0 * one, "b": 0 * one, "c": 0 * one}
+
+
+SWEEP_SHAPES = [(29, 4, [0, 1, 2, 10, 29]), (32, 8, [9]), (5, 8, [3]), (40, 2, [5, 39])]
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["accumulated", "kept"])
+@pytest.mark.parametrize("n,nc,valid_counts", SWEEP_SHAPES, ids=[f"{s[0]}rows_{s[1]}" for s in SWEEP_SHAPES])
+def test_chunks_past_the_valid_rows_do_not_run(n, nc, valid_counts, keep):
+    """Through each engine's sweep with a marker head: exactly the chunks holding valid rows (valid first) run,
+    the same rows in both twins; fce_torch without the host count runs them all; dX of a zero dZ is 0."""
+    from fce_jax import engine as jax_engine
+    from fce_torch import engine as torch_engine
+
+    h, v = 8, 40
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    plan = Plan(n, nc, keep)
+    grads = (True, True, False)
+    head_t = torch_engine.Head(_marker_fn, StatsSpec())
+    head_j = jax_engine.Head(_marker_fn, StatsSpec())
+    kw = dict(grads=grads, transform=Transform(), ignore_index=IGNORE_INDEX)
+    j_sweep = quick_jit(lambda x, w, y: jax_engine.sweep(x, w, None, None, head_j, {"y": y}, plan, **kw)[:2])
+    for n_valid in valid_counts:
+        y = _targets(n, v, n_valid, seed=n_valid)
+        pos = torch.from_numpy(np.argsort(np.concatenate([np.flatnonzero(y != IGNORE_INDEX),
+                                                          np.flatnonzero(y == IGNORE_INDEX)])))
+        n_run_rows = min(n, bounds(n, nc)[_chunks_holding(n, nc, n_valid) - 1][1])
+        expected = (pos < n_run_rows).float().numpy()
+        outs, dx, *_ = torch_engine.sweep(x, w, None, None, head_t, {"y": y}, plan, valid_rows=n_valid, **kw)
+        assert np.array_equal(outs["ran"].numpy(), expected), n_valid
+        assert dx.shape == (n, h) and not dx.any()
+        outs, *_ = torch_engine.sweep(x, w, None, None, head_t, {"y": y}, plan, **kw)
+        assert np.all(outs["ran"].numpy() == 1)
+        j_outs, j_dx = j_sweep(to_jax(x), to_jax(w), to_jax(y))
+        assert np.array_equal(np.asarray(j_outs["ran"]), expected), n_valid
+        assert j_dx.shape == (n, h) and not np.asarray(j_dx).any()
+        assert n_valid == n or expected.sum() < n or n_run_rows == n   # rows are really skipped where they can be
+
+
+def _count_logits_gemms(twin, monkeypatch, vocab):
+    """Monkeypatch the twin's gemm.mm to count the executed logits GEMMs ([rows, H] x [V, H]^T, float32 out);
+    returns the list of their row counts (JAX: one runtime callback per executed GEMM)."""
+    calls = []
+    if twin is TORCH:
+        import fce_torch.gemm as g
+
+        real = g.mm
+
+        def mm(a, b, out_dtype, out=None):
+            if out_dtype == torch.float32 and b.shape[-1] == vocab != a.shape[-1]:
+                calls.append(a.shape[0])
+            return real(a, b, out_dtype, out=out)
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        import fce_jax.gemm as g
+
+        real = g.mm
+
+        def mm(a, b, out_dtype, *, a_t=False, b_t=False):
+            out = real(a, b, out_dtype, a_t=a_t, b_t=b_t)
+            if b_t and not a_t and out_dtype == jnp.float32:
+                jax.debug.callback(lambda rows=a.shape[0]: calls.append(rows))
+            return out
+    monkeypatch.setattr(g, "mm", mm)
+    return calls
+
+
+@each_twin
+@pytest.mark.parametrize("keep", [False, True], ids=["accumulated", "kept"])
+def test_logits_gemms_of_skipped_chunks_do_not_run(twin, keep, monkeypatch):
+    """fused_lce with 64 rows, 8 a chunk, 11 valid: 2 of 8 logits GEMMs run (torch with validate, JAX always);
+    torch with validate=False runs all 8 (with the same bits: test_validate_does_not_change_bits)."""
+    n, h = 64, (64 if keep else 16)
+    case = Case("count", (n,), h, 130, "float32", seed=60)
+    inp = make_inputs(case)
+    inp["targets"] = _targets(n, 130, 11, seed=60)
+    assert plan_rows(n, h, 130, 4, need_grads=True, requested=8).keep_dz == keep
+    calls = _count_logits_gemms(twin, monkeypatch, 130)
+    out = twin.run(inp, case.options(), chunk_rows=8, fresh=True)
+    assert calls == [8, 8], calls
+    check_flce(case, inp, out)
+    if twin is TORCH:
+        calls.clear()
+        twin.run(inp, case.options(), chunk_rows=8, validate=False)
+        assert calls == [8] * 8, calls
+
+
+# ============================================================================ skipping gives the right results
+# 64 rows, 16 of them valid: with 8 rows a chunk, only the first two of eight chunks run.
+SKIP_CASES = [
+    Case("skip_kept_f32", (64,), 64, 130, "float32", bias=True, seed=41),             # 64 * 4 <= 4 * 64
+    Case("skip_accumulated_f32", (64,), 16, 130, "float32", bias=True, seed=42),      # dZ accumulated
+    Case("skip_kept_bf16", (64,), 32, 300, "bfloat16", z_loss=1e-3, label_smoothing=0.1, seed=43),
+    Case("skip_none_f32", (4, 16), 16, 130, "float32", reduction="none", class_weights=True, seed=44),
+]
+
+
+def _skip_inputs(case):
+    inp = make_inputs(case)
+    n = inp["targets"].numel()
+    inp["targets"] = _targets(n, case.v, 16, seed=case.seed).view(inp["targets"].shape)
+    return inp
+
+
+@each_twin
+@pytest.mark.parametrize("case", SKIP_CASES, ids=[c.name for c in SKIP_CASES])
+def test_skipped_chunks_match_reference(twin, case):
+    """Runs that skip 6 of 8 chunks give the reference's loss and gradients, lse 0 and dx 0 on ignored rows."""
+    inp = _skip_inputs(case)
+    n = inp["targets"].numel()
+    kept = plan_rows(n, case.h, case.v, 4 if case.dtype == "float32" else 2, need_grads=True,
+                     requested=8).keep_dz
+    assert kept == ("kept" in case.name)
+    out = twin.run(inp, case.options(), chunk_rows=8)
+    check_flce(case, inp, out)
+    ignored = (inp["targets"] == IGNORE_INDEX).numpy().reshape(-1)
+    assert np.all(twin.np64(out["lse"]).reshape(-1)[ignored] == 0)
+    assert np.all(twin.np64(out["dx"]).reshape(n, -1)[ignored] == 0)
+
+
+def _torch_bits(out):
+    return {k: None if v is None else TORCH.bits(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("case", SKIP_CASES, ids=[c.name for c in SKIP_CASES])
+def test_validate_does_not_change_bits(case):
+    """fce_torch: validate=True (host count: the rows are put valid-first and 6 of 8 chunks are skipped) and
+    validate=False (valid-first too, every chunk runs) give the same bits of loss, stats, dx, dw and db, with
+    dZ kept and with the float32 dW accumulator (and for "none", whose backward recomputes)."""
+    inp = _skip_inputs(case)
+    a = TORCH.run(inp, case.options(), chunk_rows=8)
+    b = TORCH.run(inp, case.options(), chunk_rows=8, validate=False)
+    a, b = _torch_bits(a), _torch_bits(b)
+    for k in a:
+        assert (a[k] is None) == (b[k] is None), k
+        if a[k] is not None:
+            assert np.array_equal(a[k], b[k]), k
+
+
+def test_validate_does_not_change_bits_logprobs_and_cpo():
+    """The same for fused_token_logprobs (whose backward also skips the rows of zero cotangent) and for
+    fused_cpo_loss in one group (chunks cutting pairs, ignored prompt tokens skipped) and in groups of pairs."""
+    inp = _skip_inputs(SKIP_CASES[0])
+    g = torch.Generator().manual_seed(61)
+    g_logp, g_ent = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    g_logp[40:] = 0.0
+    g_ent[40:] = 0.0      # rows of zero cotangent: counted as ignored in the backward
+    runs = [TORCH.logprobs(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"], g_logp=g_logp,
+                           g_entropy=g_ent, softcap=20.0, temperature=0.8, chunk_rows=8, validate=validate)
+            for validate in (True, False)]
+    for k in runs[0]:
+        assert np.array_equal(TORCH.bits(runs[0][k]), TORCH.bits(runs[1][k])), k
+    x = inp["x"].view(4, 16, 64)
+    y = inp["targets"].view(4, 16).clone()
+    y[:, :6] = IGNORE_INDEX
+    for chunk_rows, h in ((8, 64), (20, 16)):       # one group of all rows; groups of one pair
+        xs = x[..., :h].contiguous()
+        w = inp["weight"][:, :h].contiguous()
+        runs = [TORCH.cpo(xs, w, y, chunk_rows=chunk_rows, validate=validate) for validate in (True, False)]
+        for k in runs[0]:
+            assert np.array_equal(runs[0][k], runs[1][k]), (chunk_rows, k)
