@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     op.add_argument("--shape", action="append", type=_shape, metavar="N,H,V",
                     help="run this shape (repeatable; 'anchors' = the five anchor shapes of DESIGN.md); "
                          "default: the anchors (smoke: two tiny shapes)")
+    op.add_argument("--vocab-parallel", type=int, default=None, metavar="P",
+                    help="the weight split over V in P shards: time and peak memory per device against one "
+                         "device (torch: one process per GPU, NCCL; JAX: shard_map over P devices)")
     sft = sub.add_parser("sft", parents=[common], help="training steps of HF causal LMs (and a JAX twin)")
     sft.add_argument("--profile", action="store_true",
                      help="also run a body_only ablation (no LM head, no loss) per framework and profile each "
@@ -102,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
 
         shapes = [s for arg in args.shape or [] for s in (mod.ANCHORS if arg == "anchors" else [arg])]
         shapes = shapes or (mod.SMOKE if args.smoke else mod.ANCHORS)
-        result = mod.run(settings, shapes, progress)
+        if args.vocab_parallel:
+            from bench import vocab_parallel as mod
+
+            result = mod.run(settings, shapes, args.vocab_parallel, progress)
+        else:
+            result = mod.run(settings, shapes, progress)
     elif args.bench == "sft":
         from bench import sft as mod
 

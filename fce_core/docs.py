@@ -36,7 +36,8 @@ LOGPROBS_ARGS = """\
     chunk_rows: rows per chunk (default from the logits budget: see ``fce_core.plan``).
 """
 
-LOGPROBS_RETURNS = """``logp`` (float32, the shape of targets; 0 on ignored rows), and ``entropy`` likewise when asked."""
+LOGPROBS_RETURNS = """``logp`` (float32, the shape of targets; 0 on ignored rows), and ``entropy`` likewise when
+asked."""
 
 
 def doc(summary, args, *, framework="", framework_args="", returns="", raises=""):

@@ -9,7 +9,7 @@ from fce_core.options import FlceOptions
 
 from . import sharding
 from .autodiff import precomputed, recompute
-from .checks import check_tensors, check_values
+from .checks import check_tensors, check_values, check_vocab_shard
 from .flce import rows_backward, rows_forward, run_precomputed
 from .sums import pairwise_sum
 
@@ -45,6 +45,7 @@ def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction=
     and bias."""
     check_options(reduction, label_smoothing, z_loss, softcap)
     hidden, vocab = check_tensors(x, weight, targets, bias, class_weights)
+    check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index, class_weights)
     opt = FlceOptions(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
                       z_loss=float(z_loss), softcap=None if softcap is None else float(softcap),

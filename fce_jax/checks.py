@@ -23,6 +23,17 @@ def check_tensors(x, weight, targets, bias=None, class_weights=None):
                         array="array")
 
 
+def check_vocab_shard(x, targets, weight, vocab_parallel):
+    """Inside ``jax.shard_map``: a weight that varies along a mesh axis x and targets do not is a vocabulary
+    shard, which needs ``vocab_parallel`` naming that axis (ValueError otherwise, before the target range check
+    that such a shard would fail with a misleading message)."""
+    shard_axes = jax.typeof(weight).mat.varying - jax.typeof(x).mat.varying - jax.typeof(targets).mat.varying
+    unnamed = shard_axes - (set() if vocab_parallel is None else {vocab_parallel.axis_name})
+    if unnamed:
+        raise ValueError(f"weight varies along the mesh axis {sorted(unnamed)} and x does not: a vocabulary "
+                         "shard needs vocab_parallel=fce_jax.VocabParallel(axis_name)")
+
+
 def _concrete(a):
     return a is not None and not isinstance(a, jax.core.Tracer)
 

@@ -17,7 +17,7 @@ from fce_core.plan import pair_order, plan_pairs
 from . import sharding
 from .api import match_axes
 from .autodiff import precomputed
-from .checks import check_tensors, check_values, describe
+from .checks import check_tensors, check_values, check_vocab_shard, describe
 from .engine import Head, sweep
 from .kernels import cpo_pairs
 from .kernels.flce_head import flce_head
@@ -103,6 +103,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (P(), stats_spec) if return_stats else P())
     _, vocab = check_tensors(x, weight, targets, bias)
+    check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")

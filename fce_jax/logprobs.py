@@ -13,7 +13,7 @@ from fce_core.sweeps import logprob_setup
 from .api import match_axes
 from . import sharding
 from .autodiff import recompute
-from .checks import check_tensors, check_values
+from .checks import check_tensors, check_values, check_vocab_shard
 from . import arrays
 from .engine import sweep
 from .kernels.grad_scale import as_grad
@@ -26,8 +26,8 @@ F32 = jnp.float32
 def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), g=None, h=None, comm=None):
     """(rows {lse, logp, entropy, ...}, dx, dw, db); with cotangents g (logp) and h (entropy), the rows whose
     cotangents are all zero take no part (they count as ignored). `comm`: vocab parallel (w, bias: a shard)."""
-    head, inputs, plan = logprob_setup(arrays, logprob_head, x.shape, x.dtype.itemsize, w.shape[0], y, opt, entropy=entropy,
-                                       need_grads=any(grads), g=g, h=h, comm=comm)
+    head, inputs, plan = logprob_setup(arrays, logprob_head, x.shape, x.dtype.itemsize, w.shape[0], y, opt,
+                                       entropy=entropy, need_grads=any(grads), g=g, h=h, comm=comm)
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,
                  ignore_index=opt.ignore_index, comm=comm)
 
@@ -50,8 +50,8 @@ def _backward(static, x, w, bias, y, *, cotangents):
 custom VJP whose backward sweeps again with the cotangents of both outputs).""", framework_args="""\
     vocab_parallel: a `fce_jax.VocabParallel(axis_name)`, as in `fused_lce` (or, under plain ``jax.jit``, a
         weight split over V by its sharding).
-""", returns=docs.LOGPROBS_RETURNS, raises="""ValueError: naming the argument, for shape/dtype mismatches, bad options, and out-of-range targets when
-    they are concrete.""")
+""", returns=docs.LOGPROBS_RETURNS, raises="""ValueError: naming the argument, for shape/dtype mismatches,
+    bad options, and out-of-range targets when they are concrete.""")
 def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, softcap=None, temperature=1.0,
                          return_entropy=False, vocab_parallel=None, chunk_rows=None):
     check_softcap(softcap)
@@ -66,6 +66,7 @@ def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, so
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (rows, rows) if return_entropy else rows)
     hidden, vocab = check_tensors(x, weight, targets, bias)
+    check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)
     static = (LogprobOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
                              temperature=float(temperature), chunk_rows=chunk_rows), bool(return_entropy),

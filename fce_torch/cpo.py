@@ -119,8 +119,8 @@ register_precomputed(cpo_op, 6)
     validate: check the targets are in range (one host synchronization, which also counts the valid tokens so
         that the ignored ones are skipped when all rows go in one group); False for CUDA graphs.
 """, returns="""The float32 scalar loss (and the stats dict). Gradients flow to ``x``, ``weight`` and ``bias``. Works
-under ``torch.compile`` (``fullgraph=True`` too).""", raises="""ValueError: naming the argument for an odd batch, shape/dtype mismatches, bad options, out-of-range
-    targets.""")
+under ``torch.compile`` (``fullgraph=True`` too).""", raises="""ValueError: naming the argument for an odd batch,
+    shape/dtype mismatches, bad options, out-of-range targets.""")
 def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
                    loss_type="sigmoid", simpo_gamma=0.5, average_log_prob=None, vocab_parallel=None,
                    return_stats=False, validate=True, chunk_rows=None):

@@ -28,8 +28,8 @@ def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), 
                    comm=None):
     """(rows {lse, logp, entropy, ...}, dx, dw, db); with cotangents g (logp) and h (entropy), the rows whose
     cotangents are all zero take no part (they count as ignored). `comm`: vocab parallel (w, bias: a shard)."""
-    head, inputs, plan = logprob_setup(arrays, logprob_head, x.shape, x.element_size(), w.shape[0], y, opt, entropy=entropy,
-                                       need_grads=any(grads), g=g, h=h, comm=comm)
+    head, inputs, plan = logprob_setup(arrays, logprob_head, x.shape, x.element_size(), w.shape[0], y, opt,
+                                       entropy=entropy, need_grads=any(grads), g=g, h=h, comm=comm)
     vocab = w.shape[0] if comm is None else comm.vocab
     valid_rows = check_values(inputs["y"], vocab, opt.ignore_index) if validate else None
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,
@@ -89,8 +89,8 @@ register_recompute(logprobs_op, lambda *inputs: (0, 1) if inputs[-1] else (0,),
         CUDA-graph capture: every chunk then runs, with the same result bits.
 """, returns=docs.LOGPROBS_RETURNS + """ Gradients flow to ``x``, ``weight`` and ``bias`` for any cotangents of
 both; without gradients only the forward rows are computed (one GEMM per chunk). Works under ``torch.compile``
-(``fullgraph=True`` too).""", raises="""ValueError: naming the argument, for shape/dtype mismatches, bad options or out-of-range targets (the
-    last only when ``validate``).""")
+(``fullgraph=True`` too).""", raises="""ValueError: naming the argument, for shape/dtype mismatches, bad
+    options or out-of-range targets (the last only when ``validate``).""")
 def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, softcap=None, temperature=1.0,
                          return_entropy=False, vocab_parallel=None, validate=True, chunk_rows=None):
     check_softcap(softcap)

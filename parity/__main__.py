@@ -7,6 +7,7 @@
     python -m parity --no-cpo --no-logprobs   # the fused_lce cases only
     python -m parity --device cpu --out /tmp/parity --explain
     python -m parity --list           # the cases, without running them
+    python -m parity --vocab-parallel 2   # the weight split over V in 2 shards (2 GPUs, or the CPU)
 
 Progress goes to stderr, the table and the summary to stdout, ``parity.json`` and ``parity.md`` to ``--out``
 (default ``parity/results/<device>/``). Exit code: 1 when any SPEC accuracy bound is violated, or a twin is
@@ -42,6 +43,9 @@ def _parse(argv):
     p.add_argument("--no-logprobs", action="store_true", help="leave out the fused_token_logprobs cases")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--vocab-parallel", type=int, default=None, metavar="P",
+                   help="the vocab-parallel report instead: the weight in P shards, torch in P processes "
+                        "(NCCL on the GPUs, gloo on the CPU), JAX over P devices (parity/vocab_parallel.py)")
     return p.parse_args(argv)
 
 
@@ -85,6 +89,14 @@ def main(argv=None) -> int:
     args = _parse(argv)
     device = _pick_device(args.device)
     _prepare_environment(device)
+    if args.vocab_parallel:
+        from .environment import device_slug
+        from .vocab_parallel import run
+
+        out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "results" / device_slug(device)
+                                               / f"vocab-parallel-{args.vocab_parallel}")
+        patterns = [p.strip() for arg in args.case for p in arg.split(",") if p.strip()]
+        return run(args.vocab_parallel, device, patterns, out)
 
     # imported only now: the environment above must be set before triton or jax load
     from .catalog import case_meta, default_cases

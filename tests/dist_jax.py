@@ -102,7 +102,8 @@ def jit_case(shape, names, row_spec):
         value, (dx, dw) = f(*args)
         ref = flce_reference(x, w, y, class_weights=cw, reduction=reduction,
                              **{k: v for k, v in OPTS.items() if k != "chunk_rows"})
-        out[reduction] = {"loss": rel_err(np.asarray(value), np.sum(ref["loss"])), "dx": rel_err(np.asarray(dx), ref["dx"]),
+        out[reduction] = {"loss": rel_err(np.asarray(value), np.sum(ref["loss"])),
+                          "dx": rel_err(np.asarray(dx), ref["dx"]),
                           "dw": rel_err(np.asarray(dw), ref["dw"]), "dw_sharded": dw.sharding.spec[0] == "model",
                           "large_collectives": large_collectives(text, min(N * V, V * H) // 2)}
     return out
@@ -128,9 +129,23 @@ def data_parallel_case():
             "dw": rel_err(np.asarray(dw), ref["dw"])}
 
 
+def missing_vocab_parallel_case():
+    """A weight shard inside shard_map without VocabParallel is refused with a clear error."""
+    x, w, b, cw, y = inputs()
+    mesh = jax.make_mesh((2,), ("model",))
+    f = jax.shard_map(lambda x, w: fce_jax.fused_lce(x, w, y), mesh=mesh, in_specs=(P(), P("model")),
+                      out_specs=P(), check_vma=True)
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    try:
+        f(put(x, P()), put(w, P("model")))
+    except ValueError as e:
+        return "VocabParallel" in str(e)
+    return False
+
+
 if __name__ == "__main__":
     result = {"shard_map_2": shard_map_case(2), "shard_map_4": shard_map_case(4),
               "jit_model": jit_case((4,), ("model",), P()),
               "jit_data_model": jit_case((2, 4), ("data", "model"), P("data")),
-              "data_parallel": data_parallel_case()}
+              "data_parallel": data_parallel_case(), "missing_vocab_parallel_refused": missing_vocab_parallel_case()}
     print(json.dumps(result))

@@ -45,3 +45,7 @@ def test_plain_jit_with_a_weight_split_over_v(results, case):
 
 def test_data_parallel_with_a_replicated_weight(results):
     _within(results["data_parallel"])
+
+
+def test_a_weight_shard_without_vocab_parallel_is_refused(results):
+    assert results["missing_vocab_parallel_refused"]
