@@ -221,8 +221,10 @@ def versions():
         except Exception as exc:  # noqa: BLE001 (only reported)
             out[mod] = f"unavailable: {exc}"
     try:
-        out["fce_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()
+        git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True,  # noqa: E731
+                                        text=True).stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        out["fce_commit"] = git("rev-parse", "HEAD") + (" plus uncommitted changes" if dirty else "")
     except OSError:
         out["fce_commit"] = None
     return out
