@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ COLUMNS = [report.Column("N", "N"), report.Column("H", "H"), report.Column("V", 
 PLOTS: list = []
 
 
-def _torch_rank(rank, size, port, shape, reps, warmup, smoke, out_dir):
+def _torch_rank(rank, size, shape, reps, warmup, smoke, out_dir):
     import torch
     import torch.distributed as dist
 
@@ -36,7 +35,7 @@ def _torch_rank(rank, size, port, shape, reps, warmup, smoke, out_dir):
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
-                            init_method=f"tcp://127.0.0.1:{port}")
+                            init_method=f"file://{out_dir}/store")
     try:
         n, h, v = shape
         dev = f"cuda:{rank}" if cuda else "cpu"
@@ -72,11 +71,8 @@ def _torch_rank(rank, size, port, shape, reps, warmup, smoke, out_dir):
 def _torch_cell(shape, size, settings) -> dict:
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        mp.start_processes(_torch_rank, args=(size, port, shape, settings.reps, settings.warmup, settings.smoke, tmp),
+    with tempfile.TemporaryDirectory() as tmp:  # also the file store's: no free-port probe to race for
+        mp.start_processes(_torch_rank, args=(size, shape, settings.reps, settings.warmup, settings.smoke, tmp),
                            nprocs=size, start_method="spawn")
         ranks = [json.loads(Path(tmp, f"torch-{size}-{r}.json").read_text()) for r in range(size)]
     peaks = [r["peak"] for r in ranks if r["peak"] is not None]

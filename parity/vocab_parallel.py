@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -74,7 +73,7 @@ def _run_torch_shard(case, inp, rank, size, device):
     return {k: v.detach().float().cpu().numpy() for k, v in out.items() if v is not None}
 
 
-def _torch_worker(rank, size, port, case, device, out_dir):
+def _torch_worker(rank, size, case, device, out_dir):
     import torch
     import torch.distributed as dist
 
@@ -82,7 +81,8 @@ def _torch_worker(rank, size, port, case, device, out_dir):
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{port}")
+    # A file store in this case's fresh directory: no free-port probe that a concurrent job could race for.
+    dist.init_process_group(backend, rank=rank, world_size=size, init_method=f"file://{out_dir}/store")
     try:
         for run in (0, 1):
             np.savez(Path(out_dir) / f"torch-{run}-{rank}.npz", **_run_torch_shard(case, case_inputs(case, dev),
@@ -95,10 +95,7 @@ def run_torch(case, size: int, device: str, out_dir: Path) -> list[dict]:
     """[run 0, run 1] of every output (whole ones from rank 0, split ones concatenated over the ranks)."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_torch_worker, args=(size, port, case, device, str(out_dir)), nprocs=size,
+    mp.start_processes(_torch_worker, args=(size, case, device, str(out_dir)), nprocs=size,
                        start_method="spawn")
     return [_assemble([dict(np.load(out_dir / f"torch-{run}-{r}.npz")) for r in range(size)]) for run in (0, 1)]
 

@@ -25,8 +25,8 @@ def inputs(seed=0, vocab=V, dtype=torch.float32):
     return {"x": x.to(dtype), "w": w.to(dtype), "b": b.to(dtype), "cw": cw, "y": y}
 
 
-def run(rank, size, port, job, out_dir):
-    dist.init_process_group("gloo", rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{port}")
+def run(rank, size, job, out_dir):
+    dist.init_process_group("gloo", rank=rank, world_size=size, init_method=f"file://{out_dir}/store")
     try:
         result = JOBS[job](rank, size)
         np.savez(os.path.join(out_dir, f"{job}-{rank}.npz"), **{k: v.detach().float().numpy() for k, v in

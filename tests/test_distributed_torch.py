@@ -1,7 +1,6 @@
 """fce_torch beyond one process (docs/SPEC.md §5, §1 `normalizer`): gloo ranks on the CPU, each result against
 the float64 reference of the global problem; vocab-parallel ranks agree bit for bit."""
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -12,16 +11,10 @@ from helpers import tolerances
 from parity.reference import flce_reference, logprobs_reference, cpo_reference, rel_err
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(job, size, tmp_path):
-    """The job on `size` gloo ranks: {rank: {name: array}}."""
+    """The job on `size` gloo ranks (a file store in `tmp_path`, no port to race for): {rank: {name: array}}."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(dist_torch.run, args=(size, _port(), job, str(tmp_path)), nprocs=size, start_method="spawn")
+    mp.start_processes(dist_torch.run, args=(size, job, str(tmp_path)), nprocs=size, start_method="spawn")
     return {r: dict(np.load(os.path.join(tmp_path, f"{job}-{r}.npz"))) for r in range(size)}
 
 
