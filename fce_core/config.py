@@ -4,7 +4,7 @@ A field whose value changes the bits of a result is listed in its class's ``NUME
 of the per-row partial accumulators, whose fixed pairwise sum gives a row's sum of exponentials); the other
 fields only change speed. Both twins read the same instances, so their kernels agree by construction.
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -73,8 +73,3 @@ PAIRS = PairConfig()
 GRAD_SCALE = BlockConfig(block=4096, num_warps=8)
 GEMM = GemmConfig()
 BUDGET = BudgetConfig()
-
-
-def numerics(cfg) -> dict:
-    """The fields of `cfg` that decide bits, with their values (what two runs must share to agree)."""
-    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in cfg.NUMERICS}

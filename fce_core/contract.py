@@ -21,12 +21,16 @@ class ArrayDesc:
 
 def check_options(reduction, label_smoothing, z_loss, softcap) -> None:
     """The FLCE options (shared by the drop-ins)."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_reduction(reduction)
     check_smoothing(label_smoothing)
     if not z_loss >= 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     check_softcap(softcap)
+
+
+def check_reduction(reduction) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
 def check_smoothing(label_smoothing) -> None:

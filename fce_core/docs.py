@@ -1,6 +1,35 @@
 """The parts of the public docstrings that are the same in both twins (the contract, docs/SPEC.md), and the
 decorator that assembles a function's docstring from them and its framework's own parts."""
 
+FLCE_SUMMARY = """Fused linear cross-entropy: ``cross_entropy(x @ weight.T + bias, targets)`` without the logits."""
+
+FLCE_ARGS = """\
+    x: ``[..., H]`` float32 / bfloat16 / float16 hidden states (any leading shape).
+    weight: ``[V, H]`` LM head (may be the tied embedding table), same dtype as ``x``.
+    targets: ``x.shape[:-1]`` integer class indices, already shifted; ``ignore_index`` rows take no part
+        (the rows are put valid-first, and the chunks past the last valid row are skipped where the count of
+        valid rows is known: always in JAX, with ``validate`` in torch).
+    bias: optional ``[V]`` bias (float32 with 16-bit ``x`` is fine; its gradient comes back in its dtype).
+    ignore_index: target value that marks a row to ignore (default -100).
+    reduction: ``"mean"`` (CE over the class-weighted count D of valid rows, z-loss over their count n),
+        ``"sum"`` or ``"none"`` (per row, 0 for ignored rows).
+    label_smoothing: epsilon in [0, 1] (PyTorch's definition, class-weighted like ``F.cross_entropy``).
+    z_loss: coefficient s >= 0 of the PaLM z-loss ``s * lse**2`` (Liger's ``lse_square_scale``).
+    softcap: c > 0 applies ``c * tanh(logits / c)`` before the softmax (Gemma-2/3), or None.
+    class_weights: optional ``[V]`` float weights of any real value (``F.cross_entropy``'s ``weight=``); no
+        gradient flows to them.
+    normalizer: for "mean", the denominators to use instead of this call's: a scalar (D = n) or a pair
+        (D, n), numbers or 0-d arrays, e.g. the global counts over data-parallel ranks or micro-batches.
+        The scale is folded into the gradient once. Ignored for "sum" and "none".
+    token_scaling: scale each row's loss and gradient by its stop-gradient p(target) (Liger's
+        ``use_token_scaling``).
+    return_stats: also return a dict with ``lse`` (float32, shape of targets; 0 on ignored rows), ``z_loss``
+        (the z-loss part of the loss, reduced the same way), ``accuracy`` (fraction of valid rows whose first
+        argmax is the target; per-row 0/1 for "none") and ``argmax`` (first argmax per row, -1 on ignored
+        rows; int64 in torch, int32 in JAX). The stats carry no gradient.
+    chunk_rows: rows per chunk (default from the logits budget: see ``fce_core.plan``).
+"""
+
 CPO_SUMMARY = """Fused linear CPO loss (TRL's ``CPOTrainer.cpo_loss`` plus ``cpo_alpha`` NLL), without the logits."""
 
 CPO_ARGS = """\

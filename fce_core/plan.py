@@ -60,11 +60,11 @@ class Plan:
         keep = self.keep_dz and need_grads
         return self.group_rows is None and (keep or layout(self.n_rows, self.rows)[1] == 1)
 
-    def chunks_to_run(self, n_valid: int) -> int:
+    def chunks_to_run(self, n_valid, clip=lambda v, lo, hi: min(hi, max(lo, v))):
         """The chunks of the single group that hold any of `n_valid` valid rows once those come first (the
-        first chunk always runs)."""
+        first chunk always runs); `clip(v, lo, hi)`: the framework's, for a traced count (``jnp.clip``)."""
         first, n_chunks = layout(self.n_rows, self.rows)
-        return 1 + min(n_chunks - 1, max(0, -((first - n_valid) // self.rows)))
+        return 1 + clip(-((first - n_valid) // self.rows), 0, n_chunks - 1)
 
 
 def plan_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,

@@ -4,6 +4,19 @@ first column (`offset`), its array namespace (`xp`, fce_core.arrays) and its mer
 kernels/merge.py). Everything crossing the shards is a copy; every sum over them runs in rank order."""
 
 
+def equal_offsets(vocab_local, size):
+    """Column boundaries [P + 1] of P equal shards of `vocab_local` columns (a `VocabParallel`'s shards)."""
+    return [r * vocab_local for r in range(size + 1)]
+
+
+def ordered_total(parts):
+    """parts[0] + parts[1] + ... in that order (a sum over ranks that is the same on every rank and run)."""
+    out = parts[0]
+    for r in range(1, parts.shape[0]):
+        out = out + parts[r]
+    return out
+
+
 class VocabShards:
     def __init__(self, offsets, offset, xp, merge_kernel):
         self.offsets = list(offsets)
@@ -52,8 +65,4 @@ class VocabShards:
 
     def sum_parts(self, t):
         """The rank-ordered sum of every shard's float32 `t` (dX: each shard's dZ W_shard)."""
-        parts = self.gather(t)
-        out = parts[0]
-        for r in range(1, self.size):
-            out = out + parts[r]
-        return out
+        return ordered_total(self.gather(t))

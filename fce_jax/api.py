@@ -4,7 +4,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from fce_core import docs
 from fce_core.contract import check_normalizer, check_options
+from fce_core.docs import doc
 from fce_core.options import FlceOptions
 
 from . import sharding
@@ -62,50 +64,26 @@ def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction=
     return (loss, *extras)
 
 
+@doc(docs.FLCE_SUMMARY, docs.FLCE_ARGS,
+     framework="""\
+Works under ``jax.jit``, ``jax.grad``, ``jax.value_and_grad`` and ``jax.vjp`` (a custom VJP: the forward pass
+of a differentiated "mean"/"sum" loss computes the gradients, chunk by chunk; the plain primal call computes
+the loss only, one GEMM per chunk).""",
+     framework_args="""\
+    vocab_parallel: a `fce_jax.VocabParallel(axis_name)`, inside ``jax.shard_map`` (``check_vma=True`` is
+        fine): ``weight`` (and ``bias``, ``class_weights``) is this device's shard of a weight split in equal
+        shards over V along that mesh axis; ``x`` and ``targets`` are the same along it (docs/SPEC.md §5).
+        Every device returns the same loss and stats; dx is the full gradient, dW/db the shard's. A weight
+        with NamedSharding ``P(axis, None)`` under plain ``jax.jit`` (Explicit mesh axes) is vocab-parallel
+        without this argument; a weight shard inside ``shard_map`` without it is refused (ValueError).
+""",
+     returns="""The float32 loss (scalar, or ``targets.shape`` for "none"), and the stats dict when requested. float32
+inputs follow ``jax_default_matmul_precision`` (IEEE float32 when unset).""",
+     raises="""ValueError: naming the argument, for shape/dtype mismatches and bad options; for out-of-range
+    targets and non-finite class weights when their values are concrete (not traced).""")
 def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
               z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
               token_scaling=False, return_stats=False, chunk_rows=None):
-    """Fused linear cross-entropy: ``cross_entropy(x @ weight.T + bias, targets)`` without the logits.
-
-    Works under ``jax.jit``, ``jax.grad``, ``jax.value_and_grad`` and ``jax.vjp`` (a custom VJP: the forward pass
-    of a differentiated "mean"/"sum" loss computes the gradients, chunk by chunk; the plain primal call computes
-    the loss only, one GEMM per chunk).
-
-    Args:
-        x: ``[..., H]`` float32 / bfloat16 / float16 hidden states (any leading shape).
-        weight: ``[V, H]`` LM head (may be the tied embedding table), same dtype as ``x``.
-        targets: ``x.shape[:-1]`` integer class indices, already shifted; ``ignore_index`` rows take no part
-            (the rows are put valid-first and the chunks past the last valid row never run).
-        bias: optional ``[V]`` bias (float32 with 16-bit ``x`` is fine; its gradient comes back in its dtype).
-        ignore_index: target value that marks a row to ignore (default -100).
-        reduction: ``"mean"`` (CE over the class-weighted count D of valid rows, z-loss over their count n),
-            ``"sum"`` or ``"none"`` (per row, 0 for ignored rows).
-        label_smoothing: epsilon in [0, 1] (PyTorch's definition, class-weighted like ``F.cross_entropy``).
-        z_loss: coefficient s >= 0 of the PaLM z-loss ``s * lse**2``.
-        softcap: c > 0 applies ``c * tanh(logits / c)`` before the softmax (Gemma-2/3), or None.
-        class_weights: optional ``[V]`` float weights of any real value (no gradient flows to them).
-        normalizer: for "mean", the denominators to use instead of this call's: a scalar (D = n) or a pair
-            (D, n), e.g. the global counts over data-parallel shards or micro-batches. The scale is folded into
-            the gradient once. Ignored for "sum" and "none".
-        vocab_parallel: a `fce_jax.VocabParallel(axis_name)`, inside ``jax.shard_map`` (``check_vma=True`` is
-            fine): ``weight`` (and ``bias``, ``class_weights``) is this device's shard of a weight split in equal
-            shards over V along that mesh axis; ``x`` and ``targets`` are the same along it (docs/SPEC.md §5).
-            Every device returns the same loss and stats; dx is the full gradient, dW/db the shard's.
-        token_scaling: scale each row's loss and gradient by its stop-gradient p(target).
-        return_stats: also return a dict with ``lse`` (float32, shape of targets; 0 on ignored rows), ``z_loss``
-            (the z-loss part of the loss, reduced the same way), ``accuracy`` (fraction of valid rows whose first
-            argmax is the target; per-row 0/1 for "none") and ``argmax`` (int32 first argmax per row, -1 on
-            ignored rows). The stats carry no gradient.
-        chunk_rows: rows per chunk (default from the logits budget: see ``fce_core.plan``).
-
-    Returns:
-        The float32 loss (scalar, or ``targets.shape`` for "none"), and the stats dict when requested. float32
-        inputs follow ``jax_default_matmul_precision`` (IEEE float32 when unset).
-
-    Raises:
-        ValueError: naming the argument, for shape/dtype mismatches and bad options; for out-of-range
-            targets and non-finite class weights when their values are concrete (not traced).
-    """
     kw = dict(bias=bias, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
               z_loss=z_loss, softcap=softcap, class_weights=class_weights, normalizer=normalizer,
               token_scaling=token_scaling, chunk_rows=chunk_rows)

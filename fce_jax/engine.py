@@ -40,12 +40,6 @@ def zeros_like_shard(shape, dtype, like):
     return _varying_zeros(shape, dtype, jax.typeof(like).mat.varying)
 
 
-def chunks_to_run(plan, n_valid):
-    """`Plan.chunks_to_run` on the device (n_valid traced)."""
-    first, n_chunks = layout(plan.n_rows, plan.rows)
-    return 1 + jnp.clip(-((first - n_valid) // plan.rows), 0, n_chunks - 1)
-
-
 def stack_loop(step, start, stop, carry, n_slots):
     """carry, pieces = step(i, carry) for i in [start, stop) (stop may be traced): the pieces stacked in
     n_slots slots (0 in the slots of the steps that do not run)."""
@@ -193,7 +187,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         pos, order, n_valid = valid_first(inputs["y"], ignore_index)
         permute = lambda v: jnp.take(v, order, axis=0)  # noqa: E731  (also for numpy or literal inputs)
         return _group_pass(sw, plan, permute(x), {k: permute(v) for k, v in inputs.items()}, inputs,
-                           chunks_to_run(plan, n_valid), None, db, trace, finish, pos, order)
+                           plan.chunks_to_run(n_valid, jnp.clip), None, db, trace, finish, pos, order)
     g_first, n_groups = layout(plan.n_rows, plan.group_rows)
 
     def later_group(i, carry):

@@ -14,6 +14,8 @@ from jax._src.lax.parallel import all_gather_invariant  # the public all_gather 
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fce_core.vocab import ordered_total
+
 from .vocab_parallel import VocabParallel
 
 F32 = jnp.float32
@@ -45,11 +47,7 @@ def layout(x, weight, targets, rows_may_split=True):
 
 def ordered_sum(v, axis):
     """The sum of `v` over the mesh axis in index order (bitwise reproducible)."""
-    parts = all_gather_invariant(v, axis)
-    out = parts[0]
-    for r in range(1, parts.shape[0]):
-        out = out + parts[r]
-    return out
+    return ordered_total(all_gather_invariant(v, axis))
 
 
 def specs(mesh_layout, x, *vectors):

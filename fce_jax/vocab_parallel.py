@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src.lax.parallel import all_gather_invariant  # the public all_gather types its result varying
 
-from fce_core.vocab import VocabShards
+from fce_core.vocab import VocabShards, equal_offsets
 
 from . import arrays
 from .kernels.merge import merge
@@ -35,7 +35,7 @@ class VocabComm(VocabShards):
     def __init__(self, axis_name, vocab_local):
         self.axis_name = axis_name
         size = lax.axis_size(axis_name)
-        super().__init__([r * vocab_local for r in range(size + 1)], lax.axis_index(axis_name) * vocab_local,
+        super().__init__(equal_offsets(vocab_local, size), lax.axis_index(axis_name) * vocab_local,
                          arrays, merge)
 
     def gather(self, t):

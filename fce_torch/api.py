@@ -2,7 +2,9 @@
 Twin: fce_jax/api.py."""
 import torch
 
+from fce_core import docs
 from fce_core.contract import check_normalizer, check_options
+from fce_core.docs import doc
 
 from .checks import check_tensors
 from .flce import flce_op, flce_rows_op
@@ -60,56 +62,28 @@ def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction=
     return flce_op(*args, needs)[:5]
 
 
+@doc(docs.FLCE_SUMMARY, docs.FLCE_ARGS,
+     framework_args="""\
+    vocab_parallel: a `fce_torch.VocabParallel(group)`: ``weight`` (and ``bias``, ``class_weights``) is this
+        rank's shard of a weight split over V across the group, in rank order, equal shards; ``x`` and
+        ``targets`` are the same on every rank (docs/SPEC.md §5). Every rank returns the same loss and
+        stats; dx is the full gradient, dW/db the shard's. A DTensor weight sharded over V (``Shard(0)``)
+        is vocab-parallel without this argument.
+    validate: check that targets are in range and class weights finite (one host synchronization, which
+        also counts the valid rows so that the chunks holding only ignored rows are skipped). Pass False
+        under CUDA-graph capture: every chunk then runs, with the same result bits; out-of-range targets
+        then give NaN rows.
+""",
+     returns="""The float32 loss (scalar, or ``targets.shape`` for "none"), and the stats dict when requested.
+Gradients flow to ``x``, ``weight`` and ``bias`` in their own dtypes; under ``torch.no_grad()`` only the
+loss is computed (one GEMM per chunk). Under autocast the GEMMs run in the autocast dtype. float32
+inputs follow torch's float32 matmul setting (IEEE by default, TF32 when enabled). Works under
+``torch.compile`` (``fullgraph=True`` too) and, with ``validate=False``, CUDA graphs.""",
+     raises="""ValueError: naming the argument, for shape/dtype mismatches, bad options, out-of-range targets or
+    non-finite class weights (the last two only when ``validate``).""")
 def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
               z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
               token_scaling=False, return_stats=False, validate=True, chunk_rows=None):
-    """Fused linear cross-entropy: ``cross_entropy(x @ weight.T + bias, targets)`` without the logits.
-
-    Args:
-        x: ``[..., H]`` float32 / bfloat16 / float16 hidden states (any leading shape).
-        weight: ``[V, H]`` LM head (may be the tied embedding table), same dtype as ``x``.
-        targets: ``x.shape[:-1]`` integer class indices, already shifted; ``ignore_index`` rows take no part
-            (their chunks are skipped where the count of valid rows is known: see ``validate``).
-        bias: optional ``[V]`` bias (float32 with 16-bit ``x`` is fine; its gradient comes back in its dtype).
-        ignore_index: target value that marks a row to ignore (default -100).
-        reduction: ``"mean"`` (CE over the class-weighted count D of valid rows, z-loss over their count n),
-            ``"sum"`` or ``"none"`` (per row, 0 for ignored rows).
-        label_smoothing: epsilon in [0, 1] (PyTorch's definition, class-weighted like ``F.cross_entropy``).
-        z_loss: coefficient s >= 0 of the PaLM z-loss ``s * lse**2`` (Liger's ``lse_square_scale``).
-        softcap: c > 0 applies ``c * tanh(logits / c)`` before the softmax (Gemma-2/3), or None.
-        class_weights: optional ``[V]`` float weights of any real value (``F.cross_entropy``'s ``weight=``); no
-            gradient flows to them.
-        normalizer: for "mean", the denominators to use instead of this call's: a scalar (D = n) or a pair
-            (D, n), numbers or 0-d tensors, e.g. the global counts over data-parallel ranks or micro-batches.
-            The scale is folded into the gradient once. Ignored for "sum" and "none".
-        vocab_parallel: a `fce_torch.VocabParallel(group)`: ``weight`` (and ``bias``, ``class_weights``) is this
-            rank's shard of a weight split over V across the group, in rank order, equal shards; ``x`` and
-            ``targets`` are the same on every rank (docs/SPEC.md §5). Every rank returns the same loss and
-            stats; dx is the full gradient, dW/db the shard's. A DTensor weight sharded over V (``Shard(0)``)
-            is vocab-parallel without this argument.
-        token_scaling: scale each row's loss and gradient by its stop-gradient p(target) (Liger's
-            ``use_token_scaling``).
-        return_stats: also return a dict with ``lse`` (float32, shape of targets; 0 on ignored rows), ``z_loss``
-            (the z-loss part of the loss, reduced the same way), ``accuracy`` (fraction of valid rows whose first
-            argmax is the target; per-row 0/1 for "none") and ``argmax`` (int64 first argmax per row, -1 on
-            ignored rows). The stats carry no gradient.
-        validate: check that targets are in range and class weights finite (one host synchronization, which
-            also counts the valid rows so that the chunks holding only ignored rows are skipped). Pass False
-            under CUDA-graph capture: every chunk then runs, with the same result bits; out-of-range targets
-            then give NaN rows.
-        chunk_rows: rows per chunk (default from the logits budget: see ``fce_core.plan``).
-
-    Returns:
-        The float32 loss (scalar, or ``targets.shape`` for "none"), and the stats dict when requested.
-        Gradients flow to ``x``, ``weight`` and ``bias`` in their own dtypes; under ``torch.no_grad()`` only the
-        loss is computed (one GEMM per chunk). Under autocast the GEMMs run in the autocast dtype. float32
-        inputs follow torch's float32 matmul setting (IEEE by default, TF32 when enabled). Works under
-        ``torch.compile`` (``fullgraph=True`` too) and, with ``validate=False``, CUDA graphs.
-
-    Raises:
-        ValueError: naming the argument, for shape/dtype mismatches, bad options, out-of-range targets or
-            non-finite class weights (the last two only when ``validate``).
-    """
     lead = tuple(targets.shape) if isinstance(targets, torch.Tensor) else ()
     loss, zstat, lse, correct, amax = flce_outputs(
         x, weight, targets, bias=bias, ignore_index=ignore_index, reduction=reduction,

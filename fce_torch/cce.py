@@ -35,8 +35,10 @@ from enum import auto
 
 import torch
 
+from fce_core.contract import check_reduction
+
 from .api import flce_outputs
-from .dropin import keep_arguments
+from .dropin import check_flag, keep_arguments
 
 IGNORE_INDEX = -100
 
@@ -73,8 +75,7 @@ def _check_knobs(filter_eps, accum_e_fp32, accum_c_fp32, filter_e_grad, filter_c
         raise ValueError(f"filter_eps must be 'auto', 'high', a float or None, got {filter_eps!r}")
     for name, value in (("accum_e_fp32", accum_e_fp32), ("accum_c_fp32", accum_c_fp32),
                         ("filter_e_grad", filter_e_grad), ("filter_c_grad", filter_c_grad)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
+        check_flag(name, value)
 
 
 def _shifted_targets(targets, shift, ignore_index):
@@ -162,8 +163,7 @@ class LinearCrossEntropy(torch.nn.Module):
         keep_arguments(self, locals())
         _impl_name(impl)
         _check_knobs(filter_eps, accum_e_fp32, accum_c_fp32, filter_e_grad, filter_c_grad)
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
+        check_reduction(reduction)
 
     def forward(self, e, c, targets, bias=None):
         return linear_cross_entropy(e, c, targets, bias=bias, ignore_index=self.ignore_index, softcap=self.softcap,

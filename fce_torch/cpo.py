@@ -22,7 +22,7 @@ from .engine import Head, sweep
 from .kernels import cpo_pairs
 from .kernels.fastmath import ASM
 from .kernels.flce_head import flce_head
-from .kernels.grad_scale import kept_weight_grad
+from .kernels.grad_scale import kept_weight_grad, kept_weight_grad_dtype
 from .sums import pairwise_sum
 from .vocab_parallel import comm_for, resolve
 
@@ -103,7 +103,7 @@ def _(x, w, bias, y, seq_len, ignore_index, beta, alpha, label_smoothing, loss_t
     n_pairs = y.shape[0] // (2 * seq_len)
     plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.element_size(),
                       need_grads=any(needs), requested=chunk_rows)
-    dw_dtype = w.dtype if plan.single_product(True) or w.dtype == torch.bfloat16 else F32
+    dw_dtype = kept_weight_grad_dtype(plan, w.dtype)
     pair = x.new_empty((n_pairs,), dtype=F32)
     return (x.new_empty((), dtype=F32), pair, torch.empty_like(pair), torch.empty_like(pair), torch.empty_like(pair),
             x.new_empty((), dtype=F32), x.new_empty(x.shape) if needs[0] else absent(x),

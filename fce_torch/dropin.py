@@ -7,3 +7,9 @@ def keep_arguments(module, arguments):
     for name, value in arguments.items():
         if name not in ("self", "__class__"):
             setattr(module, name, value)
+
+
+def check_flag(name, value):
+    """A peer's boolean argument (ValueError naming it, where the peer asserts)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")

@@ -13,7 +13,7 @@ from . import arrays
 from .checks import check_values
 from .engine import sweep
 from .kernels.flce_head import flce_head
-from .kernels.grad_scale import kept_weight_grad
+from .kernels.grad_scale import kept_weight_grad, kept_weight_grad_dtype
 from .vocab_parallel import comm_for
 
 F32 = torch.float32
@@ -43,23 +43,11 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_sc
                        z_loss=z_loss, softcap=softcap, token_scaling=token_scaling, chunk_rows=chunk_rows)
 
 
-def _plan(x, w, needs, chunk_rows):
-    return plan_rows(x.shape[0], x.shape[1], w.shape[0], x.element_size(),
-                     need_grads=any(needs), requested=chunk_rows)
-
-
 def _row_outputs(x, reduction):
     n = x.shape[0]
     loss = x.new_empty((n,) if reduction == "none" else (), dtype=F32)
     return (loss, torch.empty_like(loss), x.new_empty((n,), dtype=F32), x.new_empty((n,), dtype=F32),
             x.new_empty((n,), dtype=torch.int32))
-
-
-def _weight_grad_dtype(x, w, needs, chunk_rows):
-    """The dtype of the dW a precomputed op keeps: the weight's when one GEMM writes it or for bfloat16 (the
-    float32 accumulator is rounded in the forward: `kept_weight_grad`), else float32."""
-    single = _plan(x, w, needs, chunk_rows).single_product(True)
-    return w.dtype if single or w.dtype == torch.bfloat16 else F32
 
 
 @torch.library.custom_op("fce::flce", mutates_args=())
@@ -91,7 +79,9 @@ def _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm, needs):
 @flce_op.register_fake
 def _(x, w, bias, y, class_weights, normalizer, ignore_index, reduction, label_smoothing, z_loss, softcap,
       token_scaling, chunk_rows, validate, vp_group, vp_offsets, needs):
-    dw_dtype = _weight_grad_dtype(x, w, needs, chunk_rows)
+    plan = plan_rows(x.shape[0], x.shape[1], w.shape[0], x.element_size(), need_grads=any(needs),
+                     requested=chunk_rows)
+    dw_dtype = kept_weight_grad_dtype(plan, w.dtype)
     return (*_row_outputs(x, reduction), x.new_empty(x.shape) if needs[0] else absent(x),
             w.new_empty(w.shape, dtype=dw_dtype) if needs[1] else absent(x),
             x.new_empty(w.shape[:1], dtype=F32) if needs[2] else absent(x))

@@ -36,12 +36,12 @@ from typing import NamedTuple
 
 import torch
 
-from fce_core.contract import check_cpo_options
+from fce_core.contract import check_cpo_options, check_reduction, check_smoothing, check_softcap
 from fce_core.options import LOSS_TYPES
 
 from .api import fused_lce
 from .cpo import fused_cpo_loss
-from .dropin import keep_arguments
+from .dropin import check_flag, keep_arguments
 from .sums import pairwise_sum
 
 F32 = torch.float32
@@ -71,11 +71,6 @@ class CrossEntropyOutput(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------- checks
 
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
 def _check_accum_dtype(accum_dtype):
     if accum_dtype not in (None, torch.float32):
         raise NotImplementedError(
@@ -83,28 +78,30 @@ def _check_accum_dtype(accum_dtype):
             "(accum_dtype None or torch.float32)")
 
 
+def _check_positive_int(name, value):
+    """A Liger chunking argument that fce accepts and ignores (it plans its own chunks)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def _check_ce_impl(ce_impl, ce_mode, chunk_mem_const):
     if ce_impl is not None or ce_mode is not None:
         raise NotImplementedError(
             f"ce_impl={ce_impl!r}, ce_mode={ce_mode!r}: these select one of Liger's inner cross-entropy "
             "backends; fce has a single implementation (pass None)")
-    if isinstance(chunk_mem_const, bool) or not isinstance(chunk_mem_const, int) or chunk_mem_const < 1:
-        raise ValueError(f"chunk_mem_const must be a positive integer, got {chunk_mem_const!r}")
+    _check_positive_int("chunk_mem_const", chunk_mem_const)
 
 
 def _check_flce_options(reduction, label_smoothing, softcap, return_z_loss, accum_dtype, use_token_scaling,
                         return_token_accuracy, return_predicted_tokens):
     """Liger's constructor checks (as ValueError), and what fce does not support."""
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean' or 'sum' or 'none', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be greater than 0.0 or None, got {softcap}")
+    check_reduction(reduction)
+    check_smoothing(label_smoothing)
+    check_softcap(softcap)
     for name, value in (("return_z_loss", return_z_loss), ("use_token_scaling", use_token_scaling),
                         ("return_token_accuracy", return_token_accuracy),
                         ("return_predicted_tokens", return_predicted_tokens)):
-        _check_bool(name, value)
+        check_flag(name, value)
     _check_accum_dtype(accum_dtype)
 
 
@@ -260,9 +257,11 @@ def _logits_mean(x_half, weight, bias):
     return (total / float(max(rows * vocab, 1))).detach()
 
 
-def _check_chunk_size(chunk_size):
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+def _check_cpo_flags(compute_nll_loss, compiled, average_log_prob, chunk_size):
+    for name, value in (("compute_nll_loss", compute_nll_loss), ("compiled", compiled),
+                        ("average_log_prob", average_log_prob)):
+        check_flag(name, value)
+    _check_positive_int("chunk_size", chunk_size)
 
 
 class FusedLinearCPOFunction:
@@ -294,10 +293,7 @@ class FusedLinearCPOFunction:
     @staticmethod
     def apply(_input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
               compute_nll_loss=True, compiled=True, average_log_prob=False, chunk_size=1):
-        _check_bool("compute_nll_loss", compute_nll_loss)
-        _check_bool("compiled", compiled)
-        _check_bool("average_log_prob", average_log_prob)
-        _check_chunk_size(chunk_size)
+        _check_cpo_flags(compute_nll_loss, compiled, average_log_prob, chunk_size)
         loss, st = fused_cpo_loss(_input, weight, target, bias=bias, ignore_index=ignore_index, beta=beta,
                                   alpha=alpha if compute_nll_loss else 0.0, label_smoothing=label_smoothing,
                                   loss_type="sigmoid", average_log_prob=average_log_prob, return_stats=True)
@@ -340,10 +336,7 @@ class FusedLinearCPOLoss(torch.nn.Module):
         super().__init__()
         keep_arguments(self, locals())
         check_cpo_options("sigmoid", beta, alpha, label_smoothing, LOSS_TYPES)
-        for name, value in (("compute_nll_loss", compute_nll_loss), ("compiled", compiled),
-                            ("average_log_prob", average_log_prob)):
-            _check_bool(name, value)
-        _check_chunk_size(chunk_size)
+        _check_cpo_flags(compute_nll_loss, compiled, average_log_prob, chunk_size)
 
     def forward(self, lin_weight, _input, target, bias=None):
         return FusedLinearCPOFunction.apply(_input, lin_weight, target, bias, self.ignore_index, self.beta,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fce_core.vocab import VocabShards
+from fce_core.vocab import VocabShards, equal_offsets
 
 from . import arrays
 from .kernels.merge import merge
@@ -29,11 +29,6 @@ class VocabParallel:
     shards of equal size. A DTensor weight sharded over V (``Shard(0)``) needs no VocabParallel: its mesh and
     (possibly uneven) shard sizes are read from it."""
     group: object = None
-
-
-def shard_offsets(vocab_local, size):
-    """Column boundaries [P + 1] of P equal shards of `vocab_local` columns."""
-    return [r * vocab_local for r in range(size + 1)]
 
 
 class VocabComm(VocabShards):
@@ -94,7 +89,7 @@ def resolve(weight, bias, class_weights, vocab_parallel):
     if not isinstance(vocab_parallel, VocabParallel):
         raise ValueError(f"vocab_parallel must be a fce_torch.VocabParallel, got {type(vocab_parallel).__name__}")
     group = vocab_parallel.group or dist.group.WORLD
-    return weight, bias, class_weights, group.group_name, shard_offsets(weight.shape[0], dist.get_world_size(group))
+    return weight, bias, class_weights, group.group_name, equal_offsets(weight.shape[0], dist.get_world_size(group))
 
 
 def _dtensor_type():

@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
+import fce_torch.cce
 import fce_torch.engine
 import fce_torch.gemm
+import fce_torch.liger
 from fce_torch import FusedLinearCrossEntropyLoss, fused_lce
 from helpers import assert_close_to_reference, restrict_lse, targets_avoiding
 from parity.cases import IGNORE_INDEX, Case, make_inputs
@@ -232,3 +234,19 @@ def test_liger_module_accum_dtype_not_implemented():
     with pytest.raises(NotImplementedError) as info:
         FusedLinearCrossEntropyLoss(accum_dtype=torch.bfloat16)
     assert "accum_dtype" in str(info.value)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: FusedLinearCrossEntropyLoss(reduction="avg"), "reduction"),
+    (lambda: FusedLinearCrossEntropyLoss(label_smoothing=1.5), "label_smoothing"),
+    (lambda: FusedLinearCrossEntropyLoss(softcap=0.0), "softcap"),
+    (lambda: FusedLinearCrossEntropyLoss(return_z_loss=1), "return_z_loss"),
+    (lambda: fce_torch.liger.FusedLinearCPOLoss(chunk_size=0), "chunk_size"),
+    (lambda: fce_torch.liger.FusedLinearCPOLoss(compiled="yes"), "compiled"),
+    (lambda: fce_torch.cce.LinearCrossEntropy(reduction="avg"), "reduction"),
+    (lambda: fce_torch.cce.LinearCrossEntropy(filter_c_grad=None), "filter_c_grad"),
+])
+def test_dropin_constructors_name_the_bad_argument(make, name):
+    """The drop-ins check their options at construction, where the peers assert: ValueError naming it."""
+    with pytest.raises(ValueError, match=name):
+        make()

@@ -39,3 +39,8 @@ def kept_weight_grad(dw, dtype):
     if dw is None or dtype != torch.bfloat16 or dw.dtype == dtype:
         return dw
     return dw.to(dtype)
+
+
+def kept_weight_grad_dtype(plan, dtype):
+    """The dtype of `kept_weight_grad`'s dW under `plan` for a weight of `dtype` (the ops' fake functions)."""
+    return dtype if plan.single_product(True) or dtype == torch.bfloat16 else torch.float32
