@@ -112,19 +112,8 @@ def naive_logprobs(settings: Settings):
     return rows
 
 
-def trl_logprobs(settings: Settings):
-    raise Unavailable("trl is not installed here" if not _importable("trl") else
-                      "trl's fused LM head has no stable public entry point in the pinned version")
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
-
-
 LOGPROBS = {"fce_torch": fce_logprobs("fce_torch"), "fce_torch_none": fce_none_rows("fce_torch"),
-            "torch_naive": naive_logprobs, "trl": trl_logprobs}
+            "torch_naive": naive_logprobs}
 
 
 def fwd_bwd_rows(rows: Callable, g: torch.Tensor, h: torch.Tensor) -> Callable:

@@ -2,10 +2,11 @@
 with random cotangents on both outputs.
 
 Implementations: ``fused_token_logprobs`` of each twin, the plain computation of each framework (logits,
-``log_softmax``, gather, entropy), TRL's fused LM head where it imports, and each twin's ``fused_lce(...,
-reduction="none")`` at the same shape (its CE rows, one cotangent): the time that fused_token_logprobs is held
-to (``x_none``, target <= 1.10). ``x_plain`` is the time over the framework's plain computation. Memory: peak
-extra over the inputs and the returned gradients (torch), the compiled program's temp buffers (JAX).
+``log_softmax``, gather, entropy), and each twin's ``fused_lce(..., reduction="none")`` at the same shape (its
+CE rows, one cotangent): the time that fused_token_logprobs is held to (``x_none``, target <= 1.10).
+``x_plain`` is the time over the framework's plain computation. Memory as in every bench (bench/timing.py):
+torch's peak during one call over what was allocated before it, the gradients included; JAX's compiled temp
+buffers plus its outputs.
 """
 
 from __future__ import annotations

@@ -79,10 +79,21 @@ def _select(args, device: str) -> list:
     from .catalog import default_cases, quick_cases, select_cases
 
     cases = default_cases(device, cpo=not args.no_cpo, logprobs=not args.no_logprobs)
-    patterns = [p.strip() for arg in args.case for p in arg.split(",") if p.strip()]
-    if patterns:
-        cases = select_cases(cases, patterns)
+    if _patterns(args):
+        cases = select_cases(cases, _patterns(args))
     return quick_cases(cases, device) if args.quick and cases else cases
+
+
+def _patterns(args) -> list[str]:
+    """The ``--case`` patterns (each argument may hold several, comma-separated)."""
+    return [p.strip() for arg in args.case for p in arg.split(",") if p.strip()]
+
+
+def _out_dir(args, device: str, name: str = "") -> Path:
+    """``--out``, else ``parity/results/<device slug>[/name]``."""
+    from .environment import device_slug
+
+    return Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / device_slug(device) / name
 
 
 def main(argv=None) -> int:
@@ -90,17 +101,13 @@ def main(argv=None) -> int:
     device = _pick_device(args.device)
     _prepare_environment(device)
     if args.vocab_parallel:
-        from .environment import device_slug
         from .vocab_parallel import run
 
-        out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "results" / device_slug(device)
-                                               / f"vocab-parallel-{args.vocab_parallel}")
-        patterns = [p.strip() for arg in args.case for p in arg.split(",") if p.strip()]
-        return run(args.vocab_parallel, device, patterns, out)
+        return run(args.vocab_parallel, device, _patterns(args), _out_dir(args, device,
+                                                                        f"vocab-parallel-{args.vocab_parallel}"))
 
     # imported only now: the environment above must be set before triton or jax load
     from .catalog import case_meta, default_cases
-    from .environment import device_slug
     from .explain import format_explain
     from .impls import IMPLS
     from .report import Progress, describe, format_summary, format_table, write_reports
@@ -121,7 +128,7 @@ def main(argv=None) -> int:
             print(f"{c.name:<44} {describe(case_meta(c))}")
         return 0
 
-    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / device_slug(device)
+    out_dir = _out_dir(args, device)
 
     def annotate(results):
         results["args"] = vars(args)

@@ -28,12 +28,12 @@ __all__ = ["Case", "CpoCase", "LogprobCase", "IGNORE_INDEX", "make_inputs", "mak
 
 IGNORE_INDEX = -100
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype named ``name`` ("float32" | "bfloat16" | "float16")."""
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from .bridge import same_memory, targets_to_jax, to_jax, to_torch
 from .cases import IGNORE_INDEX
 from .measures import bitwise_equal, dtype_name
 
-__all__ = ["IMPLS", "TWINS", "OPS", "Impl", "ImplResult", "load_impls", "liger_support", "run_impl"]
+__all__ = ["IMPLS", "TWINS", "OPS", "Impl", "ImplResult", "load_impls", "liger_support", "run_impl", "set_runs"]
 
 IMPLS = ("torch", "jax", "liger")
 TWINS = ("torch", "jax")
@@ -246,7 +246,11 @@ def _run_twice(run: Callable[[], dict], device: str, result: ImplResult) -> None
         outs.append(run())
         _sync(device)
         result.seconds.append(round(time.perf_counter() - t0, 4))
-    first, second = outs
+    set_runs(result, *outs)
+
+
+def set_runs(result: ImplResult, first: dict, second: dict) -> None:
+    """The first run's outputs into ``result``, and per output whether the second run gave the same bits."""
     result.outputs = first
     for k, v in first.items():
         w = second.get(k)

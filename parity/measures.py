@@ -12,6 +12,8 @@ import math
 import numpy as np
 import torch
 
+from .cases import DTYPES
+
 __all__ = ["CHUNK", "INT_VIEW", "as_float64", "as_tensor", "bitwise_equal", "ulp_distance", "rel_err", "compare_pair",
            "dtype_name"]
 
@@ -21,7 +23,6 @@ CHUNK = 1 << 24
 _F64 = torch.float64
 #: The integer dtype of each float width: the view under which bits are compared.
 INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_ULP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def dtype_name(dt) -> str:
@@ -82,9 +83,9 @@ def ulp_distance(a, b, dtype: str | None = None) -> tuple[int, int]:
     """
     ta, tb = as_tensor(a), as_tensor(b)
     if dtype is not None:
-        if dtype not in _ULP_DTYPES:
-            raise ValueError(f"dtype: expected one of {tuple(_ULP_DTYPES)}, got {dtype!r}")
-        ta, tb = ta.to(_ULP_DTYPES[dtype]), tb.to(_ULP_DTYPES[dtype])
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {dtype!r}")
+        ta, tb = ta.to(DTYPES[dtype]), tb.to(DTYPES[dtype])
     elif ta.dtype != tb.dtype or not ta.is_floating_point():
         raise ValueError(f"ulp_distance: need one float dtype, got {ta.dtype} and {tb.dtype}")
     if ta.shape != tb.shape:

@@ -220,7 +220,9 @@ def _md_escape(s: str) -> str:
 def to_markdown(results: dict) -> str:
     env = results["environment"]
     s = results["summary"]
-    out = ["# Parity report: fce_torch vs fce_jax vs Liger vs float64", ""]
+    names = {"torch": "fce_torch", "jax": "fce_jax", "liger": "Liger"}
+    present = [n for k, n in names.items() if any(k in e["impls"] for e in results["cases"])] or list(names.values())
+    out = [f"# Parity report: {' vs '.join(present)} vs float64", ""]
     out.append("| | |\n|---|---|")
     for k, v in env.items():
         cell = ", ".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else str(v)

@@ -25,14 +25,11 @@ def inputs(seed=0, vocab=V, dtype=torch.float32):
     return {"x": x.to(dtype), "w": w.to(dtype), "b": b.to(dtype), "cw": cw, "y": y}
 
 
-def run(rank, size, job, out_dir):
-    dist.init_process_group("gloo", rank=rank, world_size=size, init_method=f"file://{out_dir}/store")
-    try:
-        result = JOBS[job](rank, size)
-        np.savez(os.path.join(out_dir, f"{job}-{rank}.npz"), **{k: v.detach().float().numpy() for k, v in
-                                                                 result.items()})
-    finally:
-        dist.destroy_process_group()
+def run(rank, size, out_dir, job):
+    """One rank of `job` (a `parity.ranks.torch_ranks` job): its results to ``<job>-<rank>.npz``."""
+    result = JOBS[job](rank, size)
+    np.savez(os.path.join(out_dir, f"{job}-{rank}.npz"), **{k: v.detach().float().numpy() for k, v in
+                                                             result.items()})
 
 
 def _leaves(*tensors):

@@ -21,10 +21,11 @@ def test_parity_vocab_parallel(tmp_path):
     result = json.loads((tmp_path / "parity.json").read_text())
     assert [e["case"] for e in result["cases"]] == ["vp_none_bf16", "vp_logprobs_f32"]
     for entry in result["cases"]:
-        assert entry["violations"] == [] and entry["records"]
-        for rec in entry["records"]:
-            assert rec["determ torch"] and rec["determ jax"]
-            assert rec["err torch"] <= rec["bound"] and rec["err jax"] <= rec["bound"]
+        assert entry["violations"] == [] and entry["outputs"]
+        for rec in entry["outputs"].values():
+            assert rec["deterministic"]["torch"] and rec["deterministic"]["jax"]
+            assert rec["err"]["torch"] <= rec["bound"] and rec["err"]["jax"] <= rec["bound"]
+            assert rec["verdict"] == {"torch": "ok", "jax": "ok"}
 
 
 def test_bench_vocab_parallel_smoke(tmp_path):

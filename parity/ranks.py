@@ -1,0 +1,53 @@
+"""The processes of the vocab-parallel tools and tests (``python -m parity --vocab-parallel``, ``python -m bench
+op --vocab-parallel``, tests/test_distributed_torch.py): torch ranks, one process each in one process group
+(NCCL on the GPUs of this host, gloo on the CPU), and a JAX process that sees P devices (the GPUs, or P fake
+CPU devices), each started from a module of this repository.
+
+The ranks meet through a file store in the caller's fresh directory: no free port is probed, so concurrent
+jobs cannot race for one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torch_ranks(job, size: int, out_dir, *args, cuda: bool = False) -> None:
+    """``job(rank, size, out_dir, *args)`` in ``size`` spawned processes inside one process group (rank r on
+    GPU r with ``cuda``); ``job`` must be a module-level function (it is pickled). Raises when a rank fails."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank, args=(size, cuda, str(out_dir), job, args), nprocs=size, start_method="spawn")
+
+
+def _rank(rank, size, cuda, out_dir, job, args):
+    import torch
+    import torch.distributed as dist
+
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
+                            init_method=f"file://{out_dir}/store")
+    try:
+        job(rank, size, out_dir, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def jax_process(module: str, args, size: int, *, cpu: bool) -> str:
+    """The stdout of ``python -m module *args`` whose JAX sees ``size`` devices (fake CPU devices with ``cpu``,
+    added to the caller's ``XLA_FLAGS``); RuntimeError with the end of its stderr when it fails."""
+    env = dict(os.environ)
+    if cpu:
+        flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={size}"
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
+    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], env=env, capture_output=True,
+                          text=True, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(f"python -m {module} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
