@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from parity.cases import IGNORE_INDEX, Case, small_cases
-from parity.reference import as_float64, flce_reference, rel_err
+from parity.cases import Case
+from parity.reference import as_float64, rel_err
+from parity.verdicts import BOUNDS
 
-# SPEC "Accuracy": (loss relative error, gradient relative-norm error). float16 takes the bfloat16 bounds.
-TOLERANCES = {
-    "float32": (1e-6, 5e-5),
-    "bfloat16": (1e-5, 1e-2),
-    "float16": (1e-5, 1e-2),
-}
+# SPEC "Accuracy" (parity.verdicts.BOUNDS, one table): (loss relative error, gradient relative-norm error).
+TOLERANCES = {dtype: (b["loss"], b["grad"]) for dtype, b in BOUNDS.items()}
 LOSS_KEYS = ("loss", "lse", "z_loss", "chosen_logps", "rejected_logps", "chosen_rewards",
              "rejected_rewards", "nll_loss")
 GRAD_KEYS = ("dx", "dw", "db")
@@ -79,22 +75,6 @@ def assert_close_to_reference(out: dict, ref: dict, dtype, *, accuracy_atol: flo
     return errors
 
 
-def reference_for_case(case: Case, inputs: dict, grad_output=None) -> dict:
-    """``flce_reference`` on the tensors of ``make_inputs(case)`` with the case's options."""
-    return flce_reference(inputs["x"], inputs["weight"], inputs["targets"], bias=inputs["bias"],
-                          class_weights=inputs["class_weights"], grad_output=grad_output, **case.options())
-
-
-def check_case(case: Case, inp: dict, out: dict, *, ignore_index=IGNORE_INDEX, grad_output=None, **ref_kw) -> dict:
-    """A twin's run (``torch_run``'s or ``jax_run``'s dict) on ``inp`` (``make_inputs``' tensors) against the
-    float64 reference of the same inputs and the case's options (``ref_kw`` overrides them); lse on valid rows."""
-    ref = flce_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
-                         class_weights=inp["class_weights"], ignore_index=ignore_index, grad_output=grad_output,
-                         **{**case.options(), **ref_kw})
-    out, ref = restrict_lse(out, ref, inp["targets"], ignore_index)
-    return assert_close_to_reference(out, ref, case.dtype)
-
-
 def targets_avoiding(n, v, avoid, g):
     """n random targets in [0, v) (torch generator g), none of them equal to ``avoid``."""
     import torch
@@ -103,13 +83,7 @@ def targets_avoiding(n, v, avoid, g):
     return torch.where(t == avoid, (avoid + 1) % v, t)
 
 
-def parametrize_cases(cases=None):
-    """``@pytest.mark.parametrize("case", ...)`` over ``cases`` (default: ``small_cases()``), ids = names."""
-    cases = small_cases() if cases is None else list(cases)
-    return pytest.mark.parametrize("case", cases, ids=[c.name for c in cases])
-
-
-# ---------------------------------------------------------------------- twin runners (tests/test_fce_*.py)
+# ------------------------------------------------------------------------- twin runs (tests/twins.py)
 # Rows per chunk for each small case in the twin tests: several chunks for most cases (a first chunk with the
 # remainder, then full chunks in a loop), the default (one chunk at these sizes) for the others.
 CASE_CHUNK_ROWS = {
@@ -141,22 +115,6 @@ def restrict_lse(out: dict, ref: dict, targets, ignore_index=-100) -> tuple[dict
     return out, ref
 
 
-def torch_run(fused_lce, inp: dict, options: dict, *, chunk_rows=None, grad_output=None, **extra) -> dict:
-    """One forward+backward of ``fce_torch.fused_lce`` on copies of ``inp`` (make_inputs' tensors), with
-    return_stats. Returns {loss, lse, z_loss, accuracy, dx, dw, db} as detached torch tensors (own dtypes)."""
-    import torch
-
-    x = inp["x"].detach().clone().requires_grad_(True)
-    w = inp["weight"].detach().clone().requires_grad_(True)
-    b = None if inp["bias"] is None else inp["bias"].detach().clone().requires_grad_(True)
-    loss, stats = fused_lce(x, w, inp["targets"], bias=b, class_weights=inp["class_weights"], return_stats=True,
-                            chunk_rows=chunk_rows, **options, **extra)
-    g = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=torch.float32)
-    loss.backward(g.expand_as(loss) if loss.dim() else g.reshape(()))
-    return {"loss": loss.detach(), "lse": stats["lse"], "z_loss": stats["z_loss"], "accuracy": stats["accuracy"],
-            "dx": x.grad, "dw": w.grad, "db": None if b is None else b.grad}
-
-
 def to_jax(t):
     """A JAX array with the same values and dtype as the torch tensor ``t`` (None stays None)."""
     if t is None:
@@ -168,58 +126,6 @@ def to_jax(t):
     if t.dtype in names:
         return jnp.asarray(t.detach().to(torch.float32).cpu().numpy()).astype(names[t.dtype])
     return jnp.asarray(t.detach().cpu().numpy())
-
-
-def jax_run(fused_lce, inp: dict, options: dict, *, chunk_rows=None, grad_output=None, jit=True, **extra) -> dict:
-    """One forward + VJP of ``fce_jax.fused_lce`` (under jax.jit by default; targets and class weights are
-    traced then) on ``inp`` (make_inputs' torch tensors, converted), with return_stats. Returns {loss, lse,
-    z_loss, accuracy, dx, dw, db} as JAX arrays (own dtypes)."""
-    import jax
-    import jax.numpy as jnp
-
-    x, w, b = to_jax(inp["x"]), to_jax(inp["weight"]), to_jax(inp["bias"])
-    t, cw = to_jax(inp["targets"]), to_jax(inp["class_weights"])
-
-    def f(x, w, b, t, cw, g):
-        def loss_fn(x, w, b):
-            loss, stats = fused_lce(x, w, t, bias=b, class_weights=cw, return_stats=True, chunk_rows=chunk_rows,
-                                    **options, **extra)
-            return loss, stats
-
-        loss, vjp, stats = jax.vjp(loss_fn, x, w, b, has_aux=True)
-        dx, dw, db = vjp(jnp.broadcast_to(g, loss.shape).astype(loss.dtype))
-        return {"loss": loss, "lse": stats["lse"], "z_loss": stats["z_loss"], "accuracy": stats["accuracy"],
-                "dx": dx, "dw": dw, "db": db}
-
-    g = jnp.asarray(1.0 if grad_output is None else np.asarray(as_float64(grad_output)), jnp.float32)
-    out = (jax.jit(f) if jit else f)(x, w, b, t, cw, g)
-    return jax.block_until_ready(out)
-
-
-_CASE_RESULTS: dict = {}
-
-
-def case_result(twin: str, case: Case, chunk_rows=None) -> dict:
-    """Cached (per pytest process) float64 numpy outputs of ``twin`` ("torch" | "jax") on ``make_inputs(case)``
-    with the case's options, plus "dtypes" (the outputs' dtype names). Shared by the reference test and the
-    cross-twin test so that each twin runs each case once."""
-    key = (twin, case, chunk_rows)
-    if key not in _CASE_RESULTS:
-        from parity.cases import make_inputs
-
-        inp = make_inputs(case)
-        if twin == "torch":
-            import fce_torch
-
-            raw = torch_run(fce_torch.fused_lce, inp, case.options(), chunk_rows=chunk_rows)
-        else:
-            import fce_jax
-
-            raw = jax_run(fce_jax.fused_lce, inp, case.options(), chunk_rows=chunk_rows)
-        res = {k: None if v is None else as_float64(v) for k, v in raw.items()}
-        res["dtypes"] = {k: None if v is None else dtype_name_or_str(v.dtype) for k, v in raw.items()}
-        _CASE_RESULTS[key] = res
-    return _CASE_RESULTS[key]
 
 
 def dtype_name_or_str(dtype) -> str:

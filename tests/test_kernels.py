@@ -18,6 +18,8 @@ import torch
 from fce_core.config import ROW_PASS
 from fce_core.heads import StatsSpec
 from fce_core.options import CpoOptions, FlceOptions, Transform
+from helpers import to_jax
+from parity.measures import bitwise_equal
 from parity.reference import as_float64, rel_err
 from twins import quick_jit
 
@@ -111,13 +113,7 @@ class JaxKernels(TorchKernels):
     def arr(a, dtype=None):
         import jax.numpy as jnp
 
-        if isinstance(a, torch.Tensor):
-            if a.dtype == torch.bfloat16:
-                a = jnp.asarray(a.float().numpy()).astype(jnp.bfloat16)
-            else:
-                a = jnp.asarray(a.numpy())
-        else:
-            a = jnp.asarray(a)
+        a = to_jax(a) if isinstance(a, torch.Tensor) else jnp.asarray(a)
         return a if dtype is None else a.astype(dtype)
 
     @staticmethod
@@ -336,13 +332,8 @@ def test_dlogits_torch_in_place(dtype):
     dz = logits if dtype == "float32" else logits.view(getattr(torch, dtype))[:, :v]
     assert dz.data_ptr() == logits.data_ptr() and dz.stride(0) == (v if dtype == "float32" else 2 * v)
     kt.dl.dlogits(logits, dz, bias, y, cw, coef, transform=tr, asm=kt.asm)
-    assert torch.equal(_bits(dz), _bits(separate))
+    assert bitwise_equal(dz, separate)
     _assert_rel(dz, ref, TOL16[dtype], "in-place dZ")
-
-
-def _bits(t):
-    """The bit patterns of a 16- or 32-bit float tensor."""
-    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def test_dlogits_jax_into_rows():

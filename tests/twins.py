@@ -376,7 +376,6 @@ class JaxTwin(Twin):
 
 
 TORCH, JAX = TorchTwin(), JaxTwin()
-TWINS = {"torch": TORCH, "jax": JAX}
 each_twin = pytest.mark.parametrize("twin", [TORCH, JAX], ids=["torch", "jax"])
 
 

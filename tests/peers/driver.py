@@ -142,8 +142,7 @@ def prepare(cache, device, cce_main=None, apply_skips=True):
     src = fetch_sdists(cache)
     run_root = cache / "run" / device
     log = []
-    trees = {"liger": (src["liger"], ("test/transformers/test_fused_linear_cross_entropy.py",
-                                      "test/chunked_loss/test_cpo_loss.py", *changes.LIGER_SUPPORT),
+    trees = {"liger": (src["liger"], (changes.LIGER_FLCE, changes.LIGER_CPO, *changes.LIGER_SUPPORT),
                        [src["liger"] / "src"]),
              f"cce-{CCE_VERSION}": (src["cce"] / "tests", (changes.CCE_FWD, changes.CCE_BWD), [src["cce"]])}
     files = list(changes.PEER_FILES)
