@@ -7,6 +7,7 @@ compiles and times (forward+backward = ``jax.value_and_grad`` w.r.t. ``x`` and `
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -30,9 +31,9 @@ def _token_logps(x: jax.Array, w: jax.Array, t: jax.Array) -> tuple[jax.Array, j
 # --- fused linear cross-entropy -------------------------------------------------------------------------
 
 
-def fce(settings: Settings) -> Loss:
+def fce(settings: Settings, engine: str = "library") -> Loss:
     fused_lce = guarded_import("fce_jax", "fused_lce")
-    return lambda x, w, t: fused_lce(x, w, t)
+    return lambda x, w, t: fused_lce(x, w, t, engine=engine)
 
 
 def naive(settings: Settings) -> Loss:
@@ -55,7 +56,8 @@ def tokamax_chunked(settings: Settings) -> Loss:
         x, t, w.T, reduction="mean", implementation="chunked_xla")
 
 
-FLCE = {"fce_jax": fce, "tokamax_chunked_xla": tokamax_chunked, "jax_naive": naive}
+FLCE = {"fce_jax": fce, "fce_jax_fused": functools.partial(fce, engine="fused"),
+        "tokamax_chunked_xla": tokamax_chunked, "jax_naive": naive}
 
 
 def fwd_bwd(loss: Loss) -> Callable:

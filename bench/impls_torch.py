@@ -23,9 +23,9 @@ Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # --- fused linear cross-entropy -------------------------------------------------------------------------
 
 
-def fce(settings: Settings) -> Loss:
+def fce(settings: Settings, engine: str = "library") -> Loss:
     fused_lce = guarded_import("fce_torch", "fused_lce")
-    return lambda x, w, t: fused_lce(x, w, t)
+    return lambda x, w, t: fused_lce(x, w, t, engine=engine)
 
 
 def liger(settings: Settings, accum_fp32: bool = False) -> Loss:
@@ -49,6 +49,7 @@ def naive(settings: Settings) -> Loss:
 
 FLCE = {
     "fce_torch": fce,
+    "fce_torch_fused": functools.partial(fce, engine="fused"),
     "liger": liger,
     "liger_fp32": functools.partial(liger, accum_fp32=True),
     "cce": cce,

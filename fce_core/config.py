@@ -46,22 +46,42 @@ class PairConfig:
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tiles of the fused GEMMs of engine v2. Every field decides bits: the K order inside a tile and the
-    fixed split of a long K (= V) into `v_slices` float32 partials summed in slice order."""
-    NUMERICS = ("tile_m", "tile_n", "tile_k", "v_slices")
+    """The logits GEMM of the fused engine (engine="fused"): one program per (tile_m rows, tile_n columns)
+    output tile, K ascending in steps of tile_k. `tile_n` decides bits: it sets the per-(row, tile) partials
+    that the merge then adds in a fixed order. The K order (ascending, never split) is the same for every
+    tile_k, so tile_k, tile_m and the launch fields only change speed."""
+    NUMERICS = ("tile_n",)
+    tile_m: int = 128
+    tile_n: int = 256   # a power of two (the partial sums' tree)
+    tile_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class GradGemmConfig:
+    """The fused engine's dX = dZ W and dW (+)= dZᵀ X GEMMs: output tiles, K ascending in steps of tile_k.
+    The tiles do not decide bits (the same K order for every tiling). dX (K = V) of few output tiles is split
+    over V into `fce_core.plan.dx_slices` slices, float32 partials summed in a fixed pairwise order: the
+    fields that set that count decide bits."""
+    NUMERICS = ("target_programs", "max_slices", "tile_m", "tile_n")
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 64
-    v_slices: int = 1
+    num_warps: int = 8
+    num_stages: int = 3
+    target_programs: int = 264   # split dX over V until about this many programs run
+    max_slices: int = 16
 
 
 @dataclass(frozen=True)
 class BudgetConfig:
     """Memory budgets of the planner (bytes) and the row granule of a chunk."""
-    NUMERICS = ("logits", "kept_logits", "grouped_logits", "row_multiple")  # chunk shapes decide GEMM bits
+    NUMERICS = ("logits", "kept_logits", "grouped_logits", "tiles", "row_multiple")  # chunk shapes: GEMM bits
     logits: int = 1 << 30          # the float32 logits of one chunk
     kept_logits: int = 1 << 29     # the same when every chunk's dZ is kept (it shares the memory with them)
     grouped_logits: int = 1 << 28  # the same next to a group's kept dZ and a float32 dW accumulator
+    tiles: int = 1 << 28           # engine="fused": a chunk's exp-scaled tile values in the input dtype
     row_multiple: int = 128
 
 
@@ -72,4 +92,9 @@ HEAD = BlockConfig(block=1024)
 PAIRS = PairConfig()
 GRAD_SCALE = BlockConfig(block=4096, num_warps=8)
 GEMM = GemmConfig()
+# The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
+GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
+GRAD_GEMM = GradGemmConfig()
+GRAD_GEMM_INTERPRETER = GradGemmConfig(tile_m=16, tile_n=16, tile_k=16, num_warps=4, num_stages=1)
+TILE_ROWS = BlockConfig(block=16)  # rows per program of the tiled dlogits and merge kernels (speed only)
 BUDGET = BudgetConfig()

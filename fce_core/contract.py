@@ -6,6 +6,8 @@ the twins' own: torch runs them in one host synchronization, JAX when the values
 """
 from dataclasses import dataclass
 
+from .options import ENGINES
+
 REDUCTIONS = ("mean", "sum", "none")
 FLOAT_NAMES = ("float32", "bfloat16", "float16")
 
@@ -41,6 +43,30 @@ def check_smoothing(label_smoothing) -> None:
 def check_softcap(softcap) -> None:
     if softcap is not None and not softcap > 0.0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+
+
+# The largest softcap c under which the fused engine takes label smoothing: a logit at most 2 c below its tile's
+# max keeps a normal tile value exp(z - m_t) (float32's and bfloat16's 2**-126; float16's 2**-14), from which
+# the softcap's derivative at that logit is recovered.
+FUSED_SOFTCAP_WITH_SMOOTHING = 43.0
+FUSED_SOFTCAP_WITH_SMOOTHING_F16 = 4.8
+
+
+def check_engine(engine, *, label_smoothing=0.0, softcap=None, vocab_parallel=False,
+                 dtype="float32") -> None:
+    """`engine` is "library" or "fused"; the fused engine does not yet run vocab-parallel, and it takes label
+    smoothing only under a softcap of at most FUSED_SOFTCAP_WITH_SMOOTHING (float16 inputs, whose tile values
+    are float16: FUSED_SOFTCAP_WITH_SMOOTHING_F16). docs/NUMERICS.md, "The fused engine"."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine != "fused":
+        return
+    if vocab_parallel:
+        raise ValueError('engine="fused" does not run vocab-parallel yet; use engine="library"')
+    limit = FUSED_SOFTCAP_WITH_SMOOTHING_F16 if dtype == "float16" else FUSED_SOFTCAP_WITH_SMOOTHING
+    if label_smoothing > 0 and softcap is not None and softcap > limit:
+        raise ValueError(f'engine="fused" takes label_smoothing with a softcap of at most {limit} for {dtype} '
+                         f'inputs, got softcap={softcap}; use engine="library"')
 
 
 def check_cpo_options(loss_type, beta, alpha, label_smoothing, loss_types) -> None:

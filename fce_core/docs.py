@@ -28,6 +28,10 @@ FLCE_ARGS = """\
         argmax is the target; per-row 0/1 for "none") and ``argmax`` (first argmax per row, -1 on ignored
         rows; int64 in torch, int32 in JAX). The stats carry no gradient.
     chunk_rows: rows per chunk (default from the logits budget: see ``fce_core.plan``).
+    engine: "library" (default: a library logits GEMM into float32 logits, then our row passes) or "fused"
+        (our logits GEMM with the row statistics in its epilogue, storing 16-bit exp-scaled tile values
+        instead of float32 logits: less memory; not yet vocab-parallel). Both compute the same math within
+        SPEC's bounds; their bits differ (docs/NUMERICS.md, "The fused engine").
 """
 
 CPO_SUMMARY = """Fused linear CPO loss (TRL's ``CPOTrainer.cpo_loss`` plus ``cpo_alpha`` NLL), without the logits."""

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 MEAN, SUM, NONE = 0, 1, 2
 MODES = {"mean": MEAN, "sum": SUM, "none": NONE}
 LOSS_TYPES = {"sigmoid": 0, "hinge": 1, "ipo": 2, "simpo": 3}
+ENGINES = ("library", "fused")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class FlceOptions:
     softcap: float | None = None
     token_scaling: bool = False
     chunk_rows: int | None = None
+    engine: str = "library"
 
     @property
     def mode(self) -> int:

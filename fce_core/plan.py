@@ -9,19 +9,20 @@ The chunks that hold only ignored rows (once the valid rows come first) need not
 """
 from dataclasses import dataclass
 
-from .config import BUDGET, BudgetConfig
+from .config import BUDGET, GRAD_GEMM, BudgetConfig, GradGemmConfig
 
 
 def chunk_rows(n_rows: int, vocab: int, requested: int | None = None, budget: int = BUDGET.logits,
-               row_multiple: int = BUDGET.row_multiple) -> int:
-    """Rows per chunk: `requested` if given, else the largest multiple of `row_multiple` whose float32
-    logits fit in `budget` bytes (at least one multiple); never more than `n_rows` (and at least 1)."""
+               row_multiple: int = BUDGET.row_multiple, logit_bytes: int = 4) -> int:
+    """Rows per chunk: `requested` if given, else the largest multiple of `row_multiple` whose logits
+    (`logit_bytes` each: float32) fit in `budget` bytes (at least one multiple); never more than `n_rows`
+    (and at least 1)."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {requested}")
         rows = requested
     else:
-        rows = max(row_multiple, budget // (4 * max(vocab, 1)) // row_multiple * row_multiple)
+        rows = max(row_multiple, budget // (logit_bytes * max(vocab, 1)) // row_multiple * row_multiple)
     return max(1, min(n_rows, rows))
 
 
@@ -68,15 +69,30 @@ class Plan:
 
 
 def plan_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,
-              requested: int | None = None, budget: BudgetConfig = BUDGET) -> Plan:
+              requested: int | None = None, budget: BudgetConfig = BUDGET, engine: str = "library") -> Plan:
     """The plan of a row loss (FLCE, token log-probs): dZ is kept when gradients are asked, there are several
     chunks and all rows' dZ is no larger than the float32 dW accumulator it replaces (N * itemsize <= 4 H).
     Which gradients are asked does not enter (a frozen weight plans like a trained one), so that both twins
-    (fce_jax always computes all three) run the same GEMM shapes."""
+    (fce_jax always computes all three) run the same GEMM shapes. The fused engine plans by `fused_rows`."""
+    if engine == "fused":
+        return fused_rows(n_rows, hidden, vocab, itemsize, need_grads=need_grads, requested=requested,
+                          budget=budget)
     rows = chunk_rows(n_rows, vocab, requested, budget.logits, budget.row_multiple)
     keep = need_grads and rows < n_rows and n_rows * itemsize <= 4 * hidden
     if keep and requested is None:
         rows = chunk_rows(n_rows, vocab, None, budget.kept_logits, budget.row_multiple)
+    return Plan(n_rows, rows, keep)
+
+
+def fused_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,
+               requested: int | None = None, budget: BudgetConfig = BUDGET) -> Plan:
+    """The fused engine's row plan. A chunk's tile values (itemsize bytes per logit) fit `budget.tiles`.
+    With gradients and several chunks, dZ is kept (the tile values are then written into the kept rows, so
+    no chunk buffer exists) when that costs no more than accumulating would: all rows' dZ against one chunk
+    plus the float32 accumulator's excess over a dW in the weight's dtype,
+    N * itemsize <= H * (4 - itemsize) + rows * itemsize."""
+    rows = chunk_rows(n_rows, vocab, requested, budget.tiles, budget.row_multiple, itemsize)
+    keep = need_grads and rows < n_rows and n_rows * itemsize <= hidden * (4 - itemsize) + rows * itemsize
     return Plan(n_rows, rows, keep)
 
 
@@ -110,3 +126,12 @@ def pair_order(n_pairs: int, seq_len: int, plan: Plan) -> list[int] | None:
     for g0, g1 in bounds(n_pairs, plan.group_rows // (2 * seq_len)):
         order += list(range(g0, g1)) + list(range(n_pairs + g0, n_pairs + g1))
     return order
+
+
+def dx_slices(n_rows: int, hidden: int, vocab: int, cfg: GradGemmConfig = GRAD_GEMM) -> int:
+    """Slices of V of the fused engine's dX = dZ W (K = V) for n_rows rows: 1 when the output tiles alone
+    give about `cfg.target_programs` programs, else enough for that, at most `cfg.max_slices`, each slice
+    at least 8 K steps long. Both twins take it from here: it decides the bits of dX."""
+    tiles = -(-n_rows // cfg.tile_m) * -(-hidden // cfg.tile_n)
+    by_length = max(1, vocab // (8 * cfg.tile_k))
+    return max(1, min(cfg.max_slices, by_length, cfg.target_programs // max(tiles, 1)))

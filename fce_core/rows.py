@@ -34,3 +34,11 @@ def reduction_scalars(xp, y, class_weights, ignore_index, vocab, normalizer=None
     if normalizer is not None:
         counts = xp.f32(normalizer)
     return xp.concat([counts, w_sum[None]]), w_y
+
+
+def tile_weights(xp, class_weights, tile_n):
+    """The class weights summed per tile of `tile_n` columns (fixed pairwise order; the last tile padded with
+    zeros): what the fused engine's merge needs for label smoothing (`merge_tiles`)."""
+    vocab = class_weights.shape[0]
+    n_tiles = -(-vocab // tile_n)
+    return xp.pairwise_sum(xp.pad_to(class_weights, n_tiles * tile_n).reshape(n_tiles, tile_n))

@@ -15,7 +15,8 @@ def flce_setup(xp, kernel, x_shape, itemsize, w_rows, y, class_weights, opt, *, 
     all_weights = class_weights if comm is None or class_weights is None else comm.full_vector(class_weights)
     scalars, w_y = reduction_scalars(xp, y, all_weights, opt.ignore_index, vocab, normalizer)
     inputs = {"y": y, **{k: t for k, t in (("w_y", w_y), ("g", g), ("g_lse", g_lse)) if t is not None}}
-    plan = plan_rows(x_shape[0], x_shape[1], w_rows, itemsize, need_grads=need_grads, requested=opt.chunk_rows)
+    plan = plan_rows(x_shape[0], x_shape[1], w_rows, itemsize, need_grads=need_grads, requested=opt.chunk_rows,
+                     engine=opt.engine)
     return flce_head(kernel, opt, scalars, vocab), inputs, plan
 
 

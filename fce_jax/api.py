@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from fce_core import docs
-from fce_core.contract import check_normalizer, check_options
+from fce_core.contract import check_engine, check_normalizer, check_options
 from fce_core.docs import doc
 from fce_core.options import FlceOptions
 
@@ -42,16 +42,18 @@ def match_axes(x, y, *params):
 
 def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                  z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
-                 token_scaling=False, chunk_rows=None):
+                 token_scaling=False, chunk_rows=None, engine="library"):
     """Checks, then (loss, z stat, lse, correct, amax) over the flattened rows, differentiable in x, weight
     and bias."""
     check_options(reduction, label_smoothing, z_loss, softcap)
     hidden, vocab = check_tensors(x, weight, targets, bias, class_weights)
+    check_engine(engine, label_smoothing=label_smoothing, softcap=softcap,
+                 vocab_parallel=vocab_parallel is not None, dtype=jnp.dtype(x.dtype).name)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index, class_weights)
     opt = FlceOptions(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
                       z_loss=float(z_loss), softcap=None if softcap is None else float(softcap),
-                      token_scaling=bool(token_scaling), chunk_rows=chunk_rows)
+                      token_scaling=bool(token_scaling), chunk_rows=chunk_rows, engine=engine)
     x2 = jnp.reshape(x, (-1, hidden))
     y = jnp.reshape(targets, (-1,)).astype(jnp.int32)
     cw = None if class_weights is None else jax.lax.stop_gradient(jnp.asarray(class_weights, F32))
@@ -83,10 +85,10 @@ inputs follow ``jax_default_matmul_precision`` (IEEE float32 when unset).""",
     targets and non-finite class weights when their values are concrete (not traced).""")
 def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
               z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
-              token_scaling=False, return_stats=False, chunk_rows=None):
+              token_scaling=False, return_stats=False, chunk_rows=None, engine="library"):
     kw = dict(bias=bias, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
               z_loss=z_loss, softcap=softcap, class_weights=class_weights, normalizer=normalizer,
-              token_scaling=token_scaling, chunk_rows=chunk_rows)
+              token_scaling=token_scaling, chunk_rows=chunk_rows, engine=engine)
     mesh_layout = sharding.layout(x, weight, targets) if vocab_parallel is None else None
     if mesh_layout is not None:
         loss, out_stats = _sharded(mesh_layout, x, weight, targets, kw)

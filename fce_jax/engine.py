@@ -11,14 +11,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fce_core.rows import target_logits
+from fce_core.rows import target_logits, tile_weights
 from fce_core.rows import valid_first as valid_first_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 from fce_core.plan import layout
 
 from . import arrays, gemm
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows
+from .kernels.grad_gemms import dw_accumulate, dw_first, dw_gemm, dx_gemm
+from .kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
 from .kernels.row_stats import row_stats
+from .kernels.tile_dlogits import tile_dlogits
 from .sums import pairwise_sum
 
 F32 = jnp.float32
@@ -72,10 +75,14 @@ class _Sweep:
     single: bool
     dtype: object
     comm: object = None
+    engine: str = "library"
+    tile_weights: object = None
 
     def chunk(self, acc, x_c, inputs, r0, trace):
         """One chunk: (acc, out, dx_c). acc is (dW accumulator or None, db) without kept dZ, else the group's
         [rows, V] dZ into which this chunk writes its rows from r0."""
+        if self.engine == "fused":
+            return self.fused_chunk(acc, x_c, inputs, r0, trace)
         z = gemm.mm(x_c, self.w, F32, b_t=True)
         y, comm = inputs["y"], self.comm
         r_y = target_logits(arrays, z, y, self.bias) if comm is None else comm.target_logits(z, y, self.bias)
@@ -101,10 +108,37 @@ class _Sweep:
         dx_c, dw, db = self.add(dz, x_c, *acc)
         return (dw, db), out, dx_c
 
+    def fused_chunk(self, acc, x_c, inputs, r0, trace):
+        """`chunk` on the fused engine: the tile values go into the kept dZ rows (or a new [rows, V] array in
+        the input dtype, not written without gradients) and dZ overwrites them."""
+        y, vocab = inputs["y"], self.w.shape[0]
+        need = any(self.grads)
+        into = acc if self.keep else None
+        e, parts = logit_tiles(x_c, self.w, self.bias, jnp.where((y >= 0) & (y < vocab), y, 0), self.class_weights,
+                               spec=self.head.stats, transform=self.transform, precision=gemm.pallas_precision(x_c),
+                               into=into, row0=r0 if self.keep else 0, store=need)
+        stats = merge_tiles(parts, vocab, self.tile_weights)
+        out = self.head.fn(stats, inputs)
+        rows = slice(r0, r0 + x_c.shape[0]) if self.keep else slice(None)
+        if trace is not None and need:
+            trace["tiles"] = e[rows]
+        if not need:
+            return acc, out, None
+        dz = tile_dlogits(e, parts["m"], y, stats["zy"], self.class_weights, out, transform=self.transform,
+                          row0=r0 if self.keep else 0)
+        if trace is not None:
+            trace["dlogits"] = dz[rows]
+        if self.keep:
+            return dz, out, None
+        dx_c, dw, db = self.add(dz, x_c, *acc)
+        return (dw, db), out, dx_c
+
     def add(self, dz, x_rows, dw, db):
         """The GEMMs of some rows' dZ: (dX rows or None, dW (+)= dZ^T X, db + column sums (if given));
         vocab-parallel, dX from the shards' float32 parts."""
         need_dx, need_dw, _ = self.grads
+        if self.engine == "fused":
+            return self.add_own(dz, x_rows, dw, db)
         dx = None
         if need_dx and self.comm is not None:
             dx = self.comm.sum_parts(gemm.mm(dz, self.w, F32)).astype(x_rows.dtype)
@@ -113,6 +147,21 @@ class _Sweep:
         if need_dw:
             dw = (gemm.mm(dz, x_rows, self.w.dtype if self.single else F32, a_t=True) if dw is None
                   else gemm.addmm(dw, dz, x_rows, a_t=True))
+        if db is not None:
+            db = accumulate_bias_grad(dz, db)
+        return dx, dw, db
+
+    def add_own(self, dz, x_rows, dw, db):
+        """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
+        accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32)."""
+        need_dx, need_dw, _ = self.grads
+        precision = gemm.pallas_precision(dz)
+        dx = dx_gemm(dz, self.w, x_rows.dtype, precision) if need_dx else None
+        if need_dw and self.single:
+            dw = dw_gemm(dz, x_rows, self.w.dtype, precision)
+        elif need_dw:
+            dw = dw_first(dz, x_rows, self.w.dtype, precision) if dw is None else \
+                dw_accumulate(dz, x_rows, dw, precision)
         if db is not None:
             db = accumulate_bias_grad(dz, db)
         return dx, dw, db
@@ -158,7 +207,7 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
 
 
 def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False, False), transform,
-          ignore_index, finish=None, comm=None, trace=None):
+          ignore_index, finish=None, comm=None, trace=None, engine="library"):
     """One pass over all rows of x [N, H] with w [V, H]. `inputs`: per-row arrays (at least "y"), cut into
     the plan's chunks and handed to the head with each chunk's statistics; the head's outputs are
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
@@ -178,16 +227,23 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     `comm` (a `vocab_parallel.VocabComm`): w, bias and class_weights are this device's vocabulary shard; the
     target logits and the row statistics are merged along the axis before the head, dX is summed along it,
     and dW and db stay the shard's.
+
+    `engine`: "library" or "fused", as in fce_torch's `sweep`.
     """
     need = any(grads)
+    weights = None
+    if engine == "fused" and class_weights is not None:
+        weights = tile_weights(arrays, class_weights, gemm_config().tile_n)
     sw = _Sweep(w, bias, class_weights, head, transform, grads, plan.keep_dz and need, plan.single_product(need),
-                x.dtype, comm)
+                x.dtype, comm, engine, weights)
     db = zeros_like_shard((w.shape[0],), F32, w) if grads[2] else None
     if plan.group_rows is None:
         pos, order, n_valid = valid_first(inputs["y"], ignore_index)
         permute = lambda v: jnp.take(v, order, axis=0)  # noqa: E731  (also for numpy or literal inputs)
-        return _group_pass(sw, plan, permute(x), {k: permute(v) for k, v in inputs.items()}, inputs,
-                           plan.chunks_to_run(n_valid, jnp.clip), None, db, trace, finish, pos, order)
+        outputs, dx, dw, db = _group_pass(sw, plan, permute(x), {k: permute(v) for k, v in inputs.items()}, inputs,
+                                          plan.chunks_to_run(n_valid, jnp.clip), None, db, trace, finish, pos,
+                                          order)
+        return outputs, dx, dw[0] if isinstance(dw, tuple) else dw, db  # a (hi, lo) pair: hi is dW
     g_first, n_groups = layout(plan.n_rows, plan.group_rows)
 
     def later_group(i, carry):

@@ -21,7 +21,8 @@ def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False)
     head, inputs, plan = flce_setup(arrays, flce_head, x.shape, x.dtype.itemsize, w.shape[0], y, class_weights, opt,
                                     need_grads=any(grads), normalizer=normalizer, g=g, g_lse=g_lse, comm=comm)
     rows, dx, dw, db = sweep(x, w, bias, class_weights, head, inputs, plan, grads=grads,
-                             transform=opt.transform, ignore_index=opt.ignore_index, comm=comm, trace=trace)
+                             transform=opt.transform, ignore_index=opt.ignore_index, comm=comm, trace=trace,
+                             engine=opt.engine)
     rows["lse"] = jnp.where(y != opt.ignore_index, rows["lse"], 0.0)
     return rows, dx, dw, db
 

@@ -32,3 +32,12 @@ def mm(a, b, out_dtype, *, a_t=False, b_t=False):
 def addmm(acc, a, b, *, a_t=False, b_t=False):
     """acc (float32) + op(a) @ op(b) (XLA fuses the add into the GEMM's output where it can)."""
     return acc + mm(a, b, F32, a_t=a_t, b_t=b_t)
+
+
+def pallas_precision(a):
+    """The precision of our own Pallas GEMMs for operand `a`: float32 operands IEEE (HIGHEST) unless the user
+    set ``jax_default_matmul_precision`` to something lower (TF32, as `mm` follows it); 16-bit operands ignore
+    it."""
+    setting = jax.config.jax_default_matmul_precision
+    tf32 = a.dtype == F32 and setting is not None and setting not in ("highest", "float32", "HIGHEST")
+    return lax.Precision.DEFAULT if tf32 else lax.Precision.HIGHEST

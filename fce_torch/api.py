@@ -3,7 +3,7 @@ Twin: fce_jax/api.py."""
 import torch
 
 from fce_core import docs
-from fce_core.contract import check_normalizer, check_options
+from fce_core.contract import check_engine, check_normalizer, check_options
 from fce_core.docs import doc
 
 from .checks import check_tensors
@@ -45,17 +45,19 @@ def requires_grad(*tensors):
 
 def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                  z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
-                 token_scaling=False, validate=True, chunk_rows=None, lse_grad=False):
+                 token_scaling=False, validate=True, chunk_rows=None, engine="library", lse_grad=False):
     """Checks, then (loss, z stat, lse, correct, amax) over the flattened rows, differentiable in x, weight
     and bias (and through lse when `lse_grad`). Shared by `fused_lce` and the drop-ins."""
     check_options(reduction, label_smoothing, z_loss, softcap)
     weight, bias, class_weights, vp_group, vp_offsets = resolve(weight, bias, class_weights, vocab_parallel)
     check_tensors(x, weight, targets, bias, class_weights)
     x2, w, y, b, cw = prepare(x, weight, targets, bias, class_weights)
+    check_engine(engine, label_smoothing=label_smoothing, softcap=softcap, vocab_parallel=vp_group is not None,
+                 dtype=str(x2.dtype).removeprefix("torch."))
     norm = normalizer_tensor(normalizer, x.device) if reduction == "mean" else None
     args = (x2, w, b, y, cw, norm, int(ignore_index), reduction, float(label_smoothing), float(z_loss),
-            None if softcap is None else float(softcap), bool(token_scaling), chunk_rows, bool(validate), vp_group,
-            vp_offsets)
+            None if softcap is None else float(softcap), bool(token_scaling), chunk_rows, engine, bool(validate),
+            vp_group, vp_offsets)
     if requires_grad(x2, w, b) and (reduction == "none" or lse_grad):
         return flce_rows_op(*args, bool(lse_grad))
     needs = [requires_grad(x2), requires_grad(w), b is not None and requires_grad(b)]
@@ -83,13 +85,13 @@ inputs follow torch's float32 matmul setting (IEEE by default, TF32 when enabled
     non-finite class weights (the last two only when ``validate``).""")
 def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
               z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
-              token_scaling=False, return_stats=False, validate=True, chunk_rows=None):
+              token_scaling=False, return_stats=False, validate=True, chunk_rows=None, engine="library"):
     lead = tuple(targets.shape) if isinstance(targets, torch.Tensor) else ()
     loss, zstat, lse, correct, amax = flce_outputs(
         x, weight, targets, bias=bias, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, class_weights=class_weights,
         normalizer=normalizer, vocab_parallel=vocab_parallel, token_scaling=token_scaling, validate=validate,
-        chunk_rows=chunk_rows)
+        chunk_rows=chunk_rows, engine=engine)
     if reduction == "none":
         loss, zstat = loss.view(lead), zstat.view(lead)
     if not return_stats:

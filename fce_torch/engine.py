@@ -8,14 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fce_core.rows import target_logits
+from fce_core.rows import target_logits, tile_weights
 from fce_core.rows import valid_first as valid_first_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 
 from . import arrays, gemm
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .kernels.fastmath import ASM
+from .kernels.grad_gemms import dw_accumulate, dw_first, dw_gemm, dx_gemm
+from .kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
 from .kernels.row_stats import row_stats
+from .kernels.tile_dlogits import tile_dlogits
 from .sums import pairwise_sum
 
 F32 = torch.float32
@@ -43,8 +46,8 @@ class _Grads:
     weight's dtype when it is the only one (`single`), else in float32. The dX rows of chunks that may be
     skipped start at 0."""
 
-    def __init__(self, x, w, grads, single, skipping, comm):
-        self.x, self.w, self.single, self.comm = x, w, single, comm
+    def __init__(self, x, w, grads, single, skipping, comm, own=False):
+        self.x, self.w, self.single, self.comm, self.own = x, w, single, comm, own
         self.need_dx, self.need_dw, need_db = grads
         self.dx = (x.new_zeros if skipping else x.new_empty)(x.shape) if self.need_dx else None
         self.dw = None
@@ -52,6 +55,8 @@ class _Grads:
 
     def add(self, dz, r0, r1):
         """The GEMMs of the dZ of rows [r0, r1) (vocab-parallel: dX from the shards' float32 parts)."""
+        if self.own:
+            return self._add_own(dz, r0, r1)
         if self.need_dx and self.comm is not None:
             self.dx[r0:r1] = self.comm.sum_parts(gemm.mm(dz, self.w, F32))
         elif self.need_dx:
@@ -64,9 +69,29 @@ class _Grads:
         if self.db is not None:
             accumulate_bias_grad(dz, self.db)
 
+    def _add_own(self, dz, r0, r1):
+        """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
+        accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32)."""
+        x_rows, precision = self.x[r0:r1], gemm.triton_precision(dz)
+        if self.need_dx:
+            dx_gemm(dz, self.w, self.dx[r0:r1], precision)
+        if self.need_dw:
+            if self.single:
+                self.dw = dw_gemm(dz, x_rows, self.w.dtype, precision)
+            elif self.dw is None:
+                self.dw = dw_first(dz, x_rows, self.w.dtype, precision)
+            else:
+                dw_accumulate(dz, x_rows, self.dw, precision)
+        if self.db is not None:
+            accumulate_bias_grad(dz, self.db)
+
+    def weight_grad(self):
+        """dW: the hi half of a (hi, lo) pair (its rounded sum), else the accumulator or product."""
+        return self.dw[0] if isinstance(self.dw, tuple) else self.dw
+
 
 def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False, False), transform,
-          ignore_index, valid_rows=None, finish=None, comm=None, trace=None):
+          ignore_index, valid_rows=None, finish=None, comm=None, trace=None, engine="library"):
     """One pass over all rows of x [N, H] with w [V, H]. `inputs`: per-row tensors (at least "y"), cut into
     the plan's chunks and handed to the head with each chunk's statistics; the head's outputs are
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
@@ -83,6 +108,9 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need
     more rows than a chunk holds: the head gives unit coefficients, finish the scale). With groups of rows
     (the plan's group_rows), each group's outputs are concatenated and dW accumulates over the groups.
+
+    `engine`: "library" (a library logits GEMM into float32 logits, then the row passes) or "fused" (our logits
+    GEMM with the statistics epilogue and 16-bit tile values, `kernels/logit_tiles.py`); docs/NUMERICS.md.
     """
     n_rows = x.shape[0]
     keep = plan.keep_dz and any(grads)
@@ -93,8 +121,9 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         n_run = None if valid_rows is None else plan.chunks_to_run(valid_rows)
     groups = plan.groups
     acc = _Grads(x, w, grads, single=plan.single_product(any(grads)), skipping=n_run is not None and not keep,
-                 comm=comm)
-    run = _ChunkRunner(w, bias, class_weights, head, transform, grads, trace, comm)
+                 comm=comm, own=engine == "fused")
+    run = (_FusedChunkRunner if engine == "fused" else _ChunkRunner)(w, bias, class_weights, head, transform, grads,
+                                                                    trace, comm)
     outs = []
     for g0, g1 in groups:
         chunks = plan.chunks(g1 - g0)[:n_run]
@@ -113,7 +142,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
             dz_rows = None  # released before the next group allocates its own
         outs.append(out)
     outputs = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if len(outs) > 1 else outs[0]
-    return outputs, None if acc.dx is None else _rows_back(acc.dx, order, n_rows), acc.dw, acc.db
+    return outputs, None if acc.dx is None else _rows_back(acc.dx, order, n_rows), acc.weight_grad(), acc.db
 
 
 class _ChunkRunner:
@@ -145,4 +174,32 @@ class _ChunkRunner:
                 trace["dlogits"] = dz.clone()
             if add is not None:
                 add[0].add(dz, add[1], add[2])
+        return out
+
+
+class _FusedChunkRunner(_ChunkRunner):
+    """The same chunk on the fused engine: the tile values take the kept rows (or a new [rows, V] array in the
+    input dtype) and dZ overwrites them."""
+
+    def __init__(self, w, bias, class_weights, head, transform, grads, trace, comm):
+        super().__init__(w, bias, class_weights, head, transform, grads, trace, comm)
+        self.tile_weights = None if class_weights is None else tile_weights(arrays, class_weights,
+                                                                              gemm_config().tile_n)
+
+    def __call__(self, x_c, inputs, add, dz_rows):
+        y, vocab = inputs["y"], self.w.shape[0]
+        e, parts = logit_tiles(x_c, self.w, self.bias, torch.where((y >= 0) & (y < vocab), y, 0), self.cw,
+                               spec=self.head.stats, transform=self.transform, precision=gemm.triton_precision(x_c),
+                               out=dz_rows, store=self.need_grads)
+        stats = merge_tiles(parts, vocab, self.tile_weights)
+        out = self.head.fn(stats, inputs)
+        trace, self.trace = self.trace, None
+        if trace is not None and e is not None:
+            trace["tiles"] = e.clone()
+        if self.need_grads:
+            tile_dlogits(e, parts["m"], y, stats["zy"], self.cw, out, transform=self.transform)
+            if trace is not None:
+                trace["dlogits"] = e.clone()
+            if add is not None:
+                add[0].add(e, add[1], add[2])
         return out

@@ -31,16 +31,17 @@ def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False)
                                     need_grads=any(grads), normalizer=normalizer, g=g, g_lse=g_lse, comm=comm)
     rows, dx, dw, db = sweep(x, w, bias, class_weights, head, inputs, plan, grads=grads,
                              transform=opt.transform, ignore_index=opt.ignore_index, valid_rows=valid_rows,
-                             comm=comm, trace=trace)
+                             comm=comm, trace=trace, engine=opt.engine)
     rows["lse"] = torch.where(y != opt.ignore_index, rows["lse"], 0.0)
     return rows, dx, dw, db
 
 
 # ---- the ops (autodiff.py has the autograd shapes) -------------------------------------------------------
 
-def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows):
+def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows, engine):
     return FlceOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                       z_loss=z_loss, softcap=softcap, token_scaling=token_scaling, chunk_rows=chunk_rows)
+                       z_loss=z_loss, softcap=softcap, token_scaling=token_scaling, chunk_rows=chunk_rows,
+                       engine=engine)
 
 
 def _row_outputs(x, reduction):
@@ -54,13 +55,14 @@ def _row_outputs(x, reduction):
 def flce_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
             class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
             reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float], token_scaling: bool,
-            chunk_rows: Optional[int], validate: bool, vp_group: Optional[str], vp_offsets: list[int],
+            chunk_rows: Optional[int], engine: str, validate: bool, vp_group: Optional[str], vp_offsets: list[int],
             needs: list[bool]) -> RowsAndGrads:
     """(loss, z stat, lse, correct, amax, dx, dw, db): a "mean"/"sum" loss with its gradients (`needs`)
     computed in the forward, or any loss without gradients. `vp_group`/`vp_offsets`: the process group's name
     and the shards' column boundaries of a vocab-parallel call (None / [] otherwise)."""
     return _flce(x, w, bias, y, class_weights, normalizer,
-                 _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows),
+                 _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows,
+                          engine),
                  validate, comm_for(vp_group, vp_offsets, w, validate), needs)
 
 
@@ -78,9 +80,9 @@ def _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm, needs):
 
 @flce_op.register_fake
 def _(x, w, bias, y, class_weights, normalizer, ignore_index, reduction, label_smoothing, z_loss, softcap,
-      token_scaling, chunk_rows, validate, vp_group, vp_offsets, needs):
+      token_scaling, chunk_rows, engine, validate, vp_group, vp_offsets, needs):
     plan = plan_rows(x.shape[0], x.shape[1], w.shape[0], x.element_size(), need_grads=any(needs),
-                     requested=chunk_rows)
+                     requested=chunk_rows, engine=engine)
     dw_dtype = kept_weight_grad_dtype(plan, w.dtype)
     return (*_row_outputs(x, reduction), x.new_empty(x.shape) if needs[0] else absent(x),
             w.new_empty(w.shape, dtype=dw_dtype) if needs[1] else absent(x),
@@ -94,11 +96,11 @@ register_precomputed(flce_op, 5)
 def flce_rows_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
                  class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
                  reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
-                 token_scaling: bool, chunk_rows: Optional[int], validate: bool, vp_group: Optional[str],
+                 token_scaling: bool, chunk_rows: Optional[int], engine: str, validate: bool, vp_group: Optional[str],
                  vp_offsets: list[int], lse_grad: bool) -> Rows:
     """(loss, z stat, lse, correct, amax) of a loss whose backward recomputes: "none", or any reduction with
     a differentiable lse (`lse_grad`)."""
-    opt = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows)
+    opt = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows, engine)
     return _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm_for(vp_group, vp_offsets, w, validate),
                  [False, False, False])[:5]
 
@@ -112,11 +114,12 @@ def _(x, w, bias, y, class_weights, normalizer, ignore_index, reduction, *rest):
 def flce_rows_grads_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
                        class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
                        reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
-                       token_scaling: bool, chunk_rows: Optional[int], validate: bool, vp_group: Optional[str],
+                       token_scaling: bool, chunk_rows: Optional[int], engine: str, validate: bool,
+                       vp_group: Optional[str],
                        vp_offsets: list[int], g_loss: Optional[torch.Tensor], g_lse: Optional[torch.Tensor],
                        needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db) in the parameters' dtypes for the cotangents of the loss (scalar or rows) and of lse."""
-    opt = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows)
+    opt = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows, engine)
     needs = [needs[0], needs[1], needs[2] and bias is not None]
     comm = comm_for(vp_group, vp_offsets, w, validate)
     with torch.autocast(x.device.type, enabled=False):

@@ -25,3 +25,10 @@ def addmm_(acc, a, b):
     if not a.is_cuda or a.dtype == F32:
         return acc.addmm_(a.to(F32), b.to(F32))
     return torch.addmm(acc, a, b, out_dtype=F32, out=acc)
+
+
+def triton_precision(a):
+    """The `input_precision` of our own Triton GEMMs for operand `a`: "tf32" for float32 operands when torch's
+    float32 matmul setting allows TF32 (as `mm` follows it), else "ieee" (16-bit operands ignore it)."""
+    tf32 = a.dtype == F32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    return "tf32" if tf32 else "ieee"

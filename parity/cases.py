@@ -61,6 +61,7 @@ class Case:
     normalizer: float | tuple[float, float] | None = None   # "mean": the caller's D = n, or (D, n)
     negative_class_weights: bool = False                      # class weights drawn from [-1, 2)
     bias_dtype: str | None = None                             # None: the case dtype
+    engine: str = "library"                                   # fused_lce's engine ("library" | "fused")
 
     @property
     def rows(self) -> int:
@@ -70,7 +71,7 @@ class Case:
     def options(self) -> dict:
         """The keyword arguments of ``fused_lce`` for this case (``bias`` and ``class_weights`` excluded:
         those are tensors from :func:`make_inputs`; ``ignore_index`` is the default, ``IGNORE_INDEX``).
-        ``token_scaling`` and ``normalizer`` are there only when the case sets them, so that the same dict
+        ``token_scaling``, ``normalizer`` and ``engine`` are there only when the case sets them, so that the same dict
         also fits callees that predate them (``debug_intermediates``)."""
         out = {"reduction": self.reduction, "label_smoothing": self.label_smoothing, "z_loss": self.z_loss,
                "softcap": self.softcap}
@@ -78,7 +79,13 @@ class Case:
             out["token_scaling"] = True
         if self.normalizer is not None:
             out["normalizer"] = self.normalizer
+        if self.engine != "library":
+            out["engine"] = self.engine
         return out
+
+    def math_options(self) -> dict:
+        """`options` without the engine: what the reference evaluates (an engine changes bits, not math)."""
+        return {k: v for k, v in self.options().items() if k != "engine"}
 
     def output_dtypes(self) -> dict[str, str | None]:
         """The dtype each output must have (None: no such output)."""

@@ -24,6 +24,9 @@ def small_option_cases() -> list[Case]:
         Case("negative_class_weights_f32", (29,), 32, 777, "float32", class_weights=True,
              negative_class_weights=True, label_smoothing=0.1, seed=44),
         Case("bias_f32_x_bf16", (21,), 48, 1000, "bfloat16", bias=True, bias_dtype="float32", seed=45),
+        Case("fused_all_options_bf16", (2, 11), 48, 1000, "bfloat16", bias=True, label_smoothing=0.1, z_loss=1e-4,
+             softcap=30.0, class_weights=True, logit_scale=30.0, engine="fused", seed=46),
+        Case("fused_f32", (23,), 32, 777, "float32", ignore_frac=0.3, engine="fused", seed=47),
     ]
 
 
@@ -56,7 +59,8 @@ def gpu_cases() -> list[Case]:
     """The real shapes (SPEC anchors): bf16 at (N, H, V) = (4096, 4096, 128256) over the option grid
     (each option, three reductions, all options at once, token scaling, a normalizer pair, negative class
     weights, a float32 bias), (8192, 2304, 256000) over the reductions and all options, both with half the
-    rows ignored, and float32 at (1024, 1024, 32000)."""
+    rows ignored, and float32 at (1024, 1024, 32000); and the fused engine (``engine="fused"``) at those
+    shapes, (8192, 896, 151936) with half the rows ignored and (16384, 2048, 128256)."""
     a = dict(shape=(4096,), h=4096, v=128256, dtype="bfloat16")
     b = dict(shape=(8192,), h=2304, v=256000, dtype="bfloat16")
     f = dict(shape=(1024,), h=1024, v=32000, dtype="float32")
@@ -83,6 +87,16 @@ def gpu_cases() -> list[Case]:
             Case("bf16_4k_4k_128k_negative_class_weights", **a, class_weights=True, negative_class_weights=True,
                  seed=112),
             Case("bf16_4k_4k_128k_bias_f32", **a, bias=True, bias_dtype="float32", seed=113)]
+    fused = dict(engine="fused")
+    out += [Case("fused_bf16_4k_4k_128k_mean", **a, **fused, seed=100),
+            Case("fused_bf16_4k_4k_128k_all_options", **a, **all_opts, **fused, seed=108),
+            Case("fused_bf16_4k_4k_128k_half_ignored", **a, ignore_frac=0.5, **fused, seed=109),
+            Case("fused_bf16_8k_2304_256k_mean", **b, **fused, seed=200),
+            Case("fused_bf16_8k_2304_256k_half_ignored", **b, ignore_frac=0.5, **fused, seed=209),
+            Case("fused_bf16_8k_896_152k_half_ignored", (8192,), 896, 151936, "bfloat16", ignore_frac=0.5,
+                 **fused, seed=210),
+            Case("fused_bf16_16k_2048_128k_mean", (16384,), 2048, 128256, "bfloat16", **fused, seed=211),
+            Case("fused_f32_1k_1k_32k_mean", **f, **fused, seed=300)]
     out += [Case("f32_1k_1k_32k_mean", **f, seed=300),
             Case("f32_1k_1k_32k_large_logits", **f, logit_scale=50.0, seed=301),
             Case("f32_1k_1k_32k_none", **f, reduction="none", seed=302),

@@ -35,7 +35,7 @@ def reference_for(case, inp: dict, device: str) -> tuple[dict, str]:
     x, w, t, b = inp["x"], inp["weight"], inp["targets"], inp["bias"]
     if case.kind == "flce":
         out = reference.flce_on_device(x, w, t, bias=b, class_weights=inp["class_weights"],
-                                       grad_output=inp["grad_loss"], **case.options())
+                                       grad_output=inp["grad_loss"], **case.math_options())
     elif case.kind == "cpo":
         out = reference.cpo_on_device(x, w, t, bias=b, **case.options())
     else:

@@ -139,7 +139,7 @@ def test_every_small_case_matches_hand_formulas(case):
     inp = make_inputs(case)
     g = (torch.linspace(-1.0, 2.0, case.rows).reshape(case.shape) if case.reduction == "none" else 0.75)
     ref = flce_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
-                         class_weights=inp["class_weights"], grad_output=g, **case.options())
+                         class_weights=inp["class_weights"], grad_output=g, **case.math_options())
     hand = _hand_flce(inp["x"], inp["weight"], inp["targets"], b=inp["bias"], cw=inp["class_weights"],
                       reduction=case.reduction, eps=case.label_smoothing, s=case.z_loss, cap=case.softcap, g=g,
                       ts=case.token_scaling, norm=case.normalizer)
@@ -572,10 +572,11 @@ def _chunked_equals_whole(got: dict, want: dict, keys):
 def test_flce_on_device_by_chunks_matches_the_whole(case):
     inp = case_inputs(case)
     want = flce_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
-                          class_weights=inp["class_weights"], grad_output=inp["grad_loss"], **case.options())
+                          class_weights=inp["class_weights"], grad_output=inp["grad_loss"],
+                          **case.math_options())
     got = reference.flce_on_device(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"],
                                    class_weights=inp["class_weights"], grad_output=inp["grad_loss"],
-                                   chunk_bytes=3 * case.v * 8, stats=True, **case.options())   # 3-row chunks
+                                   chunk_bytes=3 * case.v * 8, stats=True, **case.math_options())  # 3-row chunks
     assert got["dx"].dtype == torch.float64 and got["dw"].device == inp["weight"].device
     _chunked_equals_whole(got, want, ("loss", "dx", "dw", "db", "lse", "z_loss", "accuracy"))
     assert torch.equal(got["argmax"], torch.from_numpy(want["argmax"]))

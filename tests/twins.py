@@ -413,7 +413,8 @@ def _digest(t):
 
 def check_flce(case, inp: dict, out: dict, *, ignore_index=None, grad_output=None, **ref_kw) -> dict:
     """A twin's `run` on ``inp`` against ``flce_reference`` of the same inputs and the case's options
-    (``ref_kw`` overrides them): loss, dx, dw, db, z_loss, accuracy within SPEC bounds, lse on the valid rows,
+    (``ref_kw`` overrides them; the engine is not one: it changes bits, not the math): loss, dx, dw, db,
+    z_loss, accuracy within SPEC bounds, lse on the valid rows,
     lse exactly 0 on the ignored rows, and argmax equal to the reference's first argmax (-1 on ignored rows).
     Returns the reference."""
     from helpers import assert_close_to_reference, restrict_lse
@@ -421,7 +422,7 @@ def check_flce(case, inp: dict, out: dict, *, ignore_index=None, grad_output=Non
     from parity.reference import flce_reference
 
     ignore_index = IGNORE_INDEX if ignore_index is None else ignore_index
-    options = {**case.options(), **ref_kw}
+    options = {**case.math_options(), **ref_kw}
     key = (repr(sorted(options.items())), ignore_index, _digest(grad_output),
            *(_digest(inp[k]) for k in ("x", "weight", "targets", "bias", "class_weights")))
     if key not in _REFERENCES:     # the twins' runs of one test (and repeated checks) share it

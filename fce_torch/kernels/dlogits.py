@@ -19,6 +19,17 @@ from .row_stats import logit_transform, row_pass
 
 
 @triton.jit
+def row_coefficients(y_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, rows, row_ok):
+    """A block of rows' targets and head coefficients (lse, a, b, c), and whether each row has a gradient."""
+    y = tl.load(y_ptr + rows, mask=row_ok, other=0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+    b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
+    c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
+    return y, lse, a, b, c, (a != 0.0) | (b != 0.0) | (c != 0.0)
+
+
+@triton.jit
 def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr, lse_ptr, a_ptr, b_ptr, c_ptr,
                     d_ptr, mu_ptr, n_rows, V, softcap, temperature,
                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
@@ -27,12 +38,7 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
-    y = tl.load(y_ptr + rows, mask=row_ok, other=0)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
-    b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
-    c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
-    live = (a != 0.0) | (b != 0.0) | (c != 0.0)
+    y, lse, a, b, c, live = row_coefficients(y_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, rows, row_ok)
     if HAS_ENTROPY:
         d = tl.load(d_ptr + rows, mask=row_ok, other=0.0)
         mu = tl.load(mu_ptr + rows, mask=row_ok, other=0.0)

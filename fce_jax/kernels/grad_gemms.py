@@ -1,0 +1,118 @@
+"""The fused engine's gradient GEMMs as Pallas kernels (the Triton lowering on the GPU): the same K-ascending
+dX = dZ W and dW (+)= dZᵀ X, with the same epilogues, as fce_torch's (see its module for the (hi, lo) pair).
+Twin: fce_torch/kernels/grad_gemms.py.
+"""
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER
+from fce_core.plan import dx_slices
+
+from .launch import call, interpret_mode
+from ..sums import pairwise_sum
+
+F32 = jnp.float32
+WRITE, ADD, PAIR = 0, 1, 2
+
+
+def _gemm_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg):
+    c_ref, lo_ref = (refs[-2], refs[-1]) if mode == PAIR else (refs[-1], None)
+    bm, bn, bk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    # program (tile, slice): the slice's K range [k_lo, k_hi) and its [m, n] plane of C
+    k_lo = pl.program_id(1) * slice_k
+    k_hi = jnp.minimum(k, k_lo + slice_k)
+    pid = pl.program_id(0)
+    n_m = pl.cdiv(m, bm)
+    r0, c0 = (pid % n_m) * bm, (pid // n_m) * bn
+    row_ok = r0 + lax.iota(jnp.int32, bm) < m
+    col_ok = c0 + lax.iota(jnp.int32, bn) < n
+    rs, cs = pl.ds(r0, bm), pl.ds(c0, bn)
+
+    def k_step(i, acc):
+        k0 = k_lo + i * bk
+        k_ok = (k0 + lax.iota(jnp.int32, bk) < k_hi) | (k % bk == 0)
+        ks = pl.ds(k0, bk)
+        if a_t:  # A = dZᵀ: a [bk, bm] block of dZ, contracted over its rows
+            a = pltriton.load(a_ref.at[ks, rs], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            dims = (((0,), (0,)), ((), ()))
+        else:
+            a = pltriton.load(a_ref.at[rs, ks], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            dims = (((1,), (0,)), ((), ()))
+        b = pltriton.load(b_ref.at[ks, cs], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        return acc + lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+
+    acc = lax.fori_loop(0, pl.cdiv(k_hi - k_lo, bk), k_step, jnp.zeros((bm, bn), F32))
+    block, mask = (rs, cs), row_ok[:, None] & col_ok[None, :]
+    if c_ref.ndim == 3:  # the slice's plane
+        pltriton.store(c_ref.at[pl.ds(pl.program_id(1), 1), rs, cs], acc[None], mask=mask[None])
+    elif mode == WRITE:
+        pltriton.store(c_ref.at[block], acc.astype(c_ref.dtype), mask=mask)
+    elif mode == ADD:
+        pltriton.store(c_ref.at[block], pltriton.load(c_ref.at[block], mask=mask, other=0.0) + acc, mask=mask)
+    else:
+        s = acc
+        if not first:
+            s = (pltriton.load(c_ref.at[block], mask=mask, other=0.0).astype(F32)
+                 + pltriton.load(lo_ref.at[block], mask=mask, other=0.0).astype(F32)) + acc
+        hi = s.astype(c_ref.dtype)
+        pltriton.store(c_ref.at[block], hi, mask=mask)
+        pltriton.store(lo_ref.at[block], (s - hi.astype(F32)).astype(lo_ref.dtype), mask=mask)
+
+
+def _config():
+    return GRAD_GEMM_INTERPRETER if interpret_mode() else GRAD_GEMM
+
+
+def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=1, cfg=None):
+    """The GEMM into `outs` (arrays to update in place, aliased) or new ones (ShapeDtypeStructs; with
+    `slices`, one [slices, m, n] array of the K slices' planes)."""
+    cfg = cfg or _config()
+    given = [o for o in outs if not isinstance(o, jax.ShapeDtypeStruct)]
+    shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+    slice_k = pl.cdiv(pl.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
+    res = call(_gemm_kernel, out_shape=shapes, grid=(pl.cdiv(m, cfg.tile_m) * pl.cdiv(n, cfg.tile_n), slices),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+               input_output_aliases={2 + i: i for i in range(len(given))}, m=m, n=n, k=k, slice_k=slice_k,
+               a_t=a_t, mode=mode, first=first, precision=precision, cfg=cfg)(a, b, *given)
+    return res if len(res) > 1 else res[0]
+
+
+def dx_gemm(dz, w, dtype, precision=None, cfg=None):
+    """dZ [n, V] @ w [V, H] rounded once to `dtype`; over `fce_core.plan.dx_slices` slices of V, their
+    float32 planes summed by `pairwise_sum`, when that is more than one (as fce_torch)."""
+    (n, vocab), hidden = dz.shape, w.shape[1]
+    cfg = cfg or _config()
+    slices = dx_slices(n, hidden, vocab, cfg)
+    if slices == 1:
+        return _run(dz, w, n, hidden, vocab, a_t=False, mode=WRITE,
+                    outs=[jax.ShapeDtypeStruct((n, hidden), dtype)], precision=precision, cfg=cfg)
+    planes = _run(dz, w, n, hidden, vocab, a_t=False, mode=WRITE,
+                  outs=[jax.ShapeDtypeStruct((slices, n, hidden), F32)], precision=precision, slices=slices,
+                  cfg=cfg)
+    return pairwise_sum(jnp.transpose(planes, (1, 2, 0))).astype(dtype)
+
+
+def dw_gemm(dz, x, dtype, precision=None, cfg=None):
+    """dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`."""
+    return _run(dz, x, dz.shape[1], x.shape[1], dz.shape[0], a_t=True, mode=WRITE,
+                outs=[jax.ShapeDtypeStruct((dz.shape[1], x.shape[1]), dtype)], precision=precision, cfg=cfg)
+
+
+def dw_first(dz, x, dtype, precision=None):
+    """The first chunk's accumulator: a (hi, lo) pair for a bfloat16 weight, else float32."""
+    if dtype != jnp.bfloat16:
+        return dw_gemm(dz, x, F32, precision)
+    shape = jax.ShapeDtypeStruct((dz.shape[1], x.shape[1]), dtype)
+    return tuple(_run(dz, x, dz.shape[1], x.shape[1], dz.shape[0], a_t=True, mode=PAIR, outs=[shape, shape],
+                      first=True, precision=precision))
+
+
+def dw_accumulate(dz, x, acc, precision=None):
+    """acc + dZᵀ @ x, acc being `dw_first`'s (float32, or a (hi, lo) pair), in its buffers."""
+    pair = isinstance(acc, tuple)
+    out = _run(dz, x, dz.shape[1], x.shape[1], dz.shape[0], a_t=True, mode=PAIR if pair else ADD,
+               outs=list(acc) if pair else [acc], precision=precision)
+    return tuple(out) if pair else out

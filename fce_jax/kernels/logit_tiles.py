@@ -1,0 +1,174 @@
+"""The fused engine's forward as Pallas kernels (the Triton lowering on the GPU): the logits GEMM with the
+same statistics epilogue as fce_torch's, instruction for instruction, and the merge of its per-tile partials
+(docs/NUMERICS.md, "The fused engine"). Twin: fce_torch/kernels/logit_tiles.py.
+"""
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from fce_core.config import GEMM, GEMM_INTERPRETER, TILE_ROWS
+
+from . import fastmath as fm
+from .fastmath import LOG2E
+from .launch import call, interpret_mode
+from .row_stats import logit_transform
+from ..sums import pairwise_sum
+
+F32 = jnp.float32
+I32_MAX = jnp.iinfo(jnp.int32).max
+
+
+def row_sum(v):
+    """The sum over the columns (a power of two) of v [rows, W] by fce_torch's fixed pairwise tree."""
+    rows, w = v.shape
+    while w > 1:
+        w //= 2
+        v = jnp.sum(v.reshape(rows, w, 2), axis=2)
+    return v.reshape(rows)
+
+
+def _logit_tiles_kernel(x_ref, w_ref, bias_ref, y_ref, cw_ref, row0_ref, *refs, n_rows, vocab, hidden, n_tiles,
+                        transform, has_bias, has_cw, has_q, has_pz, store, precision, asm, cfg):
+    e_ref, m_ref, s_ref, arg_ref, zy_ref, *extra = refs[-(5 + has_q + has_pz):]
+    bm, bn, bk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    # Row blocks vary fastest: the programs that run together share one W tile, and the chunk's X stays in L2.
+    pid = pl.program_id(0)
+    n_m = pl.cdiv(n_rows, bm)
+    t = pid // n_m
+    r0 = (pid % n_m) * bm
+    c0 = t * bn
+    rows = r0 + lax.iota(jnp.int32, bm)
+    cols = c0 + lax.iota(jnp.int32, bn)
+    row_ok = rows < n_rows
+    col_ok = cols < vocab
+    rs, cs = pl.ds(r0, bm), pl.ds(c0, bn)
+
+    def k_step(k, acc):
+        k0 = k * bk
+        k_ok = (k0 + lax.iota(jnp.int32, bk) < hidden) | (hidden % bk == 0)
+        a = pltriton.load(x_ref.at[rs, pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = pltriton.load(w_ref.at[cs, pl.ds(k0, bk)], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=F32)
+
+    acc = lax.fori_loop(0, pl.cdiv(hidden, bk), k_step, jnp.zeros((bm, bn), F32))
+    r = acc
+    if has_bias:
+        r = r + pltriton.load(bias_ref.at[cs], mask=col_ok, other=0.0).astype(F32)[None, :]
+    z, _ = logit_transform(r, transform, asm)
+    z = jnp.where(col_ok[None, :], z, -jnp.inf)
+    m_t = jnp.max(z, axis=1)
+    e = fm.ex2((z - m_t[:, None]) * LOG2E, asm)
+    y = pltriton.load(y_ref.at[rs], mask=row_ok, other=-1)
+
+    def put(ref, v):
+        pltriton.store(ref.at[rs, pl.ds(t, 1)], v[:, None], mask=row_ok[:, None])
+
+    put(m_ref, m_t)
+    put(s_ref, row_sum(e))
+    put(arg_ref, jnp.min(jnp.where(z == m_t[:, None], cols[None, :], I32_MAX), axis=1))
+    put(zy_ref, jnp.max(jnp.where(cols[None, :] == y[:, None], z, -jnp.inf), axis=1))
+    if has_q or has_pz:
+        d = jnp.where(col_ok[None, :], z - m_t[:, None], 0.0)
+        if has_q:
+            d_w = d
+            if has_cw:
+                d_w = fm.mul(pltriton.load(cw_ref.at[cs], mask=col_ok, other=0.0)[None, :], d, asm)
+            put(extra[0], row_sum(d_w))
+        if has_pz:
+            put(extra[-1], row_sum(fm.mul(e, d, asm)))
+    if store:
+        pltriton.store(e_ref.at[pl.ds(row0_ref[0] + r0, bm), cs], e.astype(e_ref.dtype),
+                       mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _merge_tiles_kernel(m_ref, s_ref, q_ref, pz_ref, wt_ref, big_ref, zy_ref, *out_refs, n_rows, n_tiles, vocab,
+                        has_q, has_pz, has_cw, tile_n, asm):
+    us_ref, *extra = out_refs
+    br, bt = TILE_ROWS.block, 128
+    r0 = pl.program_id(0) * br
+    t0 = pl.program_id(1) * bt
+    tiles = t0 + lax.iota(jnp.int32, bt)
+    row_ok = r0 + lax.iota(jnp.int32, br) < n_rows
+    ok = row_ok[:, None] & (tiles < n_tiles)[None, :]
+    rs, block = pl.ds(r0, br), (pl.ds(r0, br), pl.ds(t0, bt))
+    big = pltriton.load(big_ref.at[rs], mask=row_ok, other=0.0)
+    m_t = pltriton.load(m_ref.at[block], mask=ok, other=0.0)
+    s_t = pltriton.load(s_ref.at[block], mask=ok, other=0.0)
+    shift = m_t - big[:, None]
+    f = fm.ex2(shift * LOG2E, asm)
+    pltriton.store(us_ref.at[block], fm.mul(s_t, f, asm), mask=ok)
+    if has_pz:
+        pz_t = pltriton.load(pz_ref.at[block], mask=ok, other=0.0)
+        pltriton.store(extra[-1].at[block], fm.mul(fm.fma(shift, s_t, pz_t, asm), f, asm), mask=ok)
+    if has_q:
+        zy = pltriton.load(zy_ref.at[rs], mask=row_ok, other=0.0)
+        if has_cw:
+            w_t = pltriton.load(wt_ref.at[pl.ds(t0, bt)], mask=tiles < n_tiles, other=0.0)
+        else:  # the tile's column count
+            w_t = jnp.minimum(vocab - tiles * tile_n, tile_n).astype(F32)
+        q_t = pltriton.load(q_ref.at[block], mask=ok, other=0.0)
+        pltriton.store(extra[0].at[block], fm.fma(m_t - zy[:, None], w_t[None, :], q_t, asm), mask=ok)
+
+
+def gemm_config(cfg=None):
+    """The logits GEMM's tiles: `cfg`, else the GPU's, or the interpreter's small ones."""
+    return cfg or (GEMM_INTERPRETER if interpret_mode() else GEMM)
+
+
+def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision, into=None, row0=0, store=True,
+                cfg=None):
+    """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y_safe` [n]: the targets, 0 where
+    outside [0, V). Returns (the exp-scaled tile values: rows [row0, row0 + n) of `into`, updated, or a new
+    [n, V] array in x's dtype, None without `store`; the [n, T] partials {m, s, amax, zy[, q][, pz]} of the
+    T = ceil(V / tile_n) tiles)."""
+    cfg = gemm_config(cfg)
+    n, hidden = x.shape
+    vocab = w.shape[0]
+    n_tiles = pl.cdiv(vocab, cfg.tile_n)
+    names = ["m", "s", "amax", "zy"] + [k for k, on in (("q", spec.q), ("pz", spec.pz)) if on]
+    part = {k: jax.ShapeDtypeStruct((n, n_tiles), jnp.int32 if k == "amax" else F32) for k in names}
+    e_shape = jax.ShapeDtypeStruct(into.shape if into is not None else (n, vocab) if store else (1, 1), x.dtype)
+    if n == 0:
+        return (into if into is not None else jnp.zeros(e_shape.shape, e_shape.dtype),
+                {k: jnp.zeros(s.shape, s.dtype) for k, s in part.items()})
+    dummy = jnp.zeros((1,), F32)
+    args = [x, w, dummy if bias is None else bias, y_safe, dummy if class_weights is None else class_weights,
+            jnp.asarray(row0, jnp.int32).reshape(1)]
+    aliases = {}
+    if into is not None:
+        aliases[len(args)] = 0
+        args.append(into)
+    e, *parts = call(_logit_tiles_kernel, out_shape=[e_shape, *part.values()],
+                     grid=(pl.cdiv(n, cfg.tile_m) * n_tiles,), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                     input_output_aliases=aliases, n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles,
+                     transform=transform, has_bias=bias is not None, has_cw=class_weights is not None,
+                     has_q=spec.q, has_pz=spec.pz, store=store, precision=precision, asm=not interpret_mode(),
+                     cfg=cfg)(*args)
+    return e if store else None, dict(zip(names, parts))
+
+
+def merge_tiles(parts, vocab, tile_weights=None, cfg=None):
+    """The rows' statistics {m, s, zy, amax[, q][, pz]} ([n] each, as `row_stats` + `pairwise_sum` give them)
+    from the [n, T] partials of `logit_tiles` (see fce_torch's `merge_tiles`)."""
+    tile_n = gemm_config(cfg).tile_n
+    m_t = parts["m"]
+    n, n_tiles = m_t.shape
+    big = jnp.max(m_t, axis=1)
+    first = jnp.argmax(m_t == big[:, None], axis=1)
+    stats = {"m": big, "zy": jnp.max(parts["zy"], axis=1),
+             "amax": jnp.take_along_axis(parts["amax"], first[:, None], axis=1)[:, 0]}
+    names = [k for k in ("s", "q", "pz") if k in parts]
+    if n == 0:
+        return {**stats, **{k: jnp.zeros((0,), F32) for k in names}}
+    dummy = jnp.zeros((1,), F32)
+    units = call(_merge_tiles_kernel, out_shape=[jax.ShapeDtypeStruct(m_t.shape, F32) for _ in names],
+                 grid=(pl.cdiv(n, TILE_ROWS.block), pl.cdiv(n_tiles, 128)), num_warps=TILE_ROWS.num_warps,
+                 n_rows=n, n_tiles=n_tiles, vocab=vocab, has_q="q" in parts, has_pz="pz" in parts,
+                 has_cw=tile_weights is not None, tile_n=tile_n, asm=not interpret_mode())(
+        m_t, parts["s"], parts.get("q", dummy), parts.get("pz", dummy),
+        dummy if tile_weights is None else tile_weights, big, stats["zy"])
+    stats.update({k: pairwise_sum(v) for k, v in zip(names, units)})
+    return stats

@@ -1,0 +1,130 @@
+"""The fused engine's gradient GEMMs, in Triton: dX = dZ W and dW (+)= dZᵀ X with float32 accumulation, K
+ascending and never split, so both twins give the same bits whatever the tiles (docs/NUMERICS.md, "The
+fused engine"). dW over several chunks is accumulated either in float32 or, for a bfloat16 weight, as a pair
+of bfloat16 arrays (hi, lo) with hi + lo the running sum: hi = rne(s), lo = rne(s - hi) after each chunk's
+s = (hi + lo) + dZᵀ X. hi is then the rounded result, so no float32 [V, H] buffer and no final conversion
+exist (the pair has about 16 significant bits: each step adds at most 2**-18 relative error, far below the
+final rounding). Twin: fce_jax/kernels/grad_gemms.py.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER
+from fce_core.plan import dx_slices
+
+from . import fastmath as fm
+from ..sums import pairwise_sum
+
+F32 = torch.float32
+WRITE, ADD, PAIR = 0, 1, 2  # the epilogues: C = acc in C's dtype; C (float32) += acc; the (hi, lo) pair
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K,
+                 MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    # program (tile, slice): the slice's K range [k_lo, k_hi) and its [M, N] plane of C
+    pid = tl.program_id(0)
+    k_lo = tl.program_id(1) * SLICE_K
+    k_hi = tl.minimum(K, k_lo + SLICE_K)
+    c_ptr += tl.program_id(1).to(tl.int64) * M * N
+    n_m = tl.cdiv(M, BM)
+    rows = (pid % n_m) * BM + tl.arange(0, BM)
+    cols = (pid // n_m) * BN + tl.arange(0, BN)
+    row_ok = rows < M
+    col_ok = cols < N
+    rows64 = rows.to(tl.int64)
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        k = k0 + ks
+        k_ok = (k < k_hi) | EVEN_K
+        k64 = k.to(tl.int64)
+        a = tl.load(a_ptr + rows64[:, None] * s_am + k64[None, :] * s_ak, mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + k64[:, None] * s_bk + cols[None, :] * s_bn, mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        if not ASM:  # the interpreter's dot would keep raw 16-bit products
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b, input_precision=PRECISION)
+    ptrs = rows64[:, None] * s_cm + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if MODE == 0:
+        tl.store(c_ptr + ptrs, fm.to_dtype(acc, c_ptr.dtype.element_ty, ASM), mask=mask)
+    elif MODE == 1:
+        tl.store(c_ptr + ptrs, tl.load(c_ptr + ptrs, mask=mask, other=0.0) + acc, mask=mask)
+    else:
+        s = acc
+        if not FIRST:
+            s = (tl.load(c_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+                 + tl.load(lo_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)) + acc
+        hi = fm.to_dtype(s, c_ptr.dtype.element_ty, ASM)
+        tl.store(c_ptr + ptrs, hi, mask=mask)
+        tl.store(lo_ptr + ptrs, fm.to_dtype(s - hi.to(tl.float32), lo_ptr.dtype.element_ty, ASM), mask=mask)
+
+
+def _config():
+    return GRAD_GEMM if fm.ASM else GRAD_GEMM_INTERPRETER
+
+
+def _run(a, a_strides, b, b_strides, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
+    """C (or its `slices` [m, n] planes, one per slice of K) = A @ B with the epilogue `mode`."""
+    cfg = cfg or _config()
+    if m == 0 or n == 0:
+        return
+    slice_k = triton.cdiv(triton.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
+    _gemm_kernel[(triton.cdiv(m, cfg.tile_m) * triton.cdiv(n, cfg.tile_n), slices)](
+        a, *a_strides, b, *b_strides, c, c if lo is None else lo, n, m, n, k, slice_k, MODE=mode, FIRST=first,
+        PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0, ASM=fm.ASM,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def dx_gemm(dz, w, out, precision="ieee", cfg=None):
+    """out [n, H] (contiguous rows) = dZ [n, V] @ w [V, H], rounded once to out's dtype; over
+    `fce_core.plan.dx_slices` slices of V, their float32 planes summed by `pairwise_sum`, when that is
+    more than one."""
+    (n, vocab), hidden = dz.shape, w.shape[1]
+    cfg = cfg or _config()
+    slices = dx_slices(n, hidden, vocab, cfg)
+    if slices == 1:
+        _run(dz, (dz.stride(0), 1), w, (w.stride(0), 1), out, None, n, hidden, vocab, WRITE, precision=precision,
+             cfg=cfg)
+        return out
+    planes = torch.empty(slices, n, hidden, device=dz.device, dtype=F32)
+    _run(dz, (dz.stride(0), 1), w, (w.stride(0), 1), planes, None, n, hidden, vocab, WRITE, precision=precision,
+         slices=slices, cfg=cfg)
+    return out.copy_(pairwise_sum(planes.permute(1, 2, 0)))
+
+
+def dw_gemm(dz, x, dtype, precision="ieee", cfg=None):
+    """A new [V, H] dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`."""
+    out = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
+    _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), out, None, dz.shape[1], x.shape[1], dz.shape[0], WRITE,
+         precision=precision, cfg=cfg)
+    return out
+
+
+def dw_accumulate(dz, x, acc, precision="ieee"):
+    """acc += dZᵀ @ x in place, acc being `dw_first`'s: a float32 [V, H] tensor or a (hi, lo) pair.
+    Returns acc."""
+    if isinstance(acc, tuple):
+        hi, lo = acc
+        _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), hi, lo, dz.shape[1], x.shape[1], dz.shape[0], PAIR,
+             precision=precision)
+        return acc
+    _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), acc, None, dz.shape[1], x.shape[1], dz.shape[0], ADD,
+         precision=precision)
+    return acc
+
+
+def dw_first(dz, x, dtype, precision="ieee"):
+    """The first chunk's accumulator: a (hi, lo) pair for a bfloat16 weight, else float32."""
+    if dtype != torch.bfloat16:
+        return dw_gemm(dz, x, F32, precision)
+    hi = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
+    lo = torch.empty_like(hi)
+    _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), hi, lo, dz.shape[1], x.shape[1], dz.shape[0], PAIR,
+         first=True, precision=precision)
+    return hi, lo

@@ -1,0 +1,174 @@
+"""The fused engine's forward, in Triton: the logits GEMM with a statistics epilogue, and the merge of its
+per-tile partials (docs/NUMERICS.md, "The fused engine").
+
+One program computes one [tile_m, tile_n] tile of Z = X_c Wᵀ (+ b) with float32 accumulation, K ascending,
+then, per row of the tile: the tile max m_t, e = ex2((z - m_t) log2 e) stored in the input dtype (so no
+float32 [Nc, V] exists), and the partials s_t = Σ e, the first argmax, the target logit (a max over one
+column), q_t = Σ w (z - m_t) and pz_t = Σ e (z - m_t) where the head asks; each sum by a fixed pairwise
+tree (`row_sum`), never a reduction whose order the compiler picks. `merge_tiles` rescales the partials
+to the row max and sums them over the tiles in a fixed order. Twin: fce_jax/kernels/logit_tiles.py.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from fce_core.config import GEMM, GEMM_INTERPRETER, TILE_ROWS
+
+from . import fastmath as fm
+from .fastmath import LOG2E
+from .row_stats import logit_transform
+from ..sums import pairwise_sum
+
+F32 = torch.float32
+
+
+@triton.jit
+def row_sum(v, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr):
+    """The sum over the W (a power of two) columns of v [BM, W] by the fixed pairwise tree of `sums.pairwise_sum`
+    (adjacent columns first): each step adds pairs, so no compiler chooses the order."""
+    for i in tl.static_range(LOG2_W):
+        v = tl.sum(tl.reshape(v, [BM, W >> (i + 1), 2]), axis=2)
+    return tl.reshape(v, [BM])
+
+
+@triton.jit
+def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
+                        m_ptr, s_ptr, arg_ptr, zy_ptr, q_ptr, pz_ptr,
+                        n_rows, V, H, n_tiles, softcap, temperature,
+                        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+                        HAS_CW: tl.constexpr, HAS_Q: tl.constexpr, HAS_PZ: tl.constexpr, STORE: tl.constexpr,
+                        PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        LOG2_BN: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    # Row blocks vary fastest: the programs that run together share one W tile, and the chunk's X stays in L2.
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(n_rows, BM)
+    t = pid // n_m
+    rows = (pid % n_m) * BM + tl.arange(0, BM)
+    cols = t * BN + tl.arange(0, BN)
+    row_ok = rows < n_rows
+    col_ok = cols < V
+    rows64 = rows.to(tl.int64)
+    ks = tl.arange(0, BK)
+    x_rows = x_ptr + rows64[:, None] * H
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * H
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, H, BK):
+        k_ok = ((k0 + ks) < H) | EVEN_K
+        a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if not ASM:  # the interpreter's dot would keep raw 16-bit products
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)  # as the JAX twin writes it: one IR for both
+
+    r = acc
+    if HAS_BIAS:
+        r = r + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    z, _t = logit_transform(r, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, ASM)
+    z = tl.where(col_ok[None, :], z, float("-inf"))
+    m_t = tl.max(z, axis=1)
+    e = fm.ex2((z - m_t[:, None]) * LOG2E, ASM)
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+    part = rows64 * n_tiles + t
+    tl.store(m_ptr + part, m_t, mask=row_ok)
+    tl.store(s_ptr + part, row_sum(e, BM, BN, LOG2_BN), mask=row_ok)
+    tl.store(arg_ptr + part, tl.min(tl.where(z == m_t[:, None], cols[None, :], 2147483647), axis=1), mask=row_ok)
+    tl.store(zy_ptr + part, tl.max(tl.where(cols[None, :] == y[:, None], z, float("-inf")), axis=1), mask=row_ok)
+    if HAS_Q or HAS_PZ:
+        d = tl.where(col_ok[None, :], z - m_t[:, None], 0.0)
+        if HAS_Q:
+            if HAS_CW:
+                d_w = fm.mul(tl.load(cw_ptr + cols, mask=col_ok, other=0.0)[None, :], d, ASM)
+            else:
+                d_w = d
+            tl.store(q_ptr + part, row_sum(d_w, BM, BN, LOG2_BN), mask=row_ok)
+        if HAS_PZ:
+            tl.store(pz_ptr + part, row_sum(fm.mul(e, d, ASM), BM, BN, LOG2_BN), mask=row_ok)
+    if STORE:
+        tl.store(e_ptr + rows64[:, None] * stride_e + cols[None, :], fm.to_dtype(e, e_ptr.dtype.element_ty, ASM),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _merge_tiles_kernel(m_ptr, s_ptr, q_ptr, pz_ptr, wt_ptr, big_ptr, zy_ptr, us_ptr, uq_ptr, upz_ptr,
+                        n_rows, n_tiles, V, HAS_Q: tl.constexpr, HAS_PZ: tl.constexpr, HAS_CW: tl.constexpr,
+                        TILE_N: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, ASM: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    tiles = tl.program_id(1) * BT + tl.arange(0, BT)
+    row_ok = rows < n_rows
+    ok = row_ok[:, None] & (tiles < n_tiles)[None, :]
+    at = rows.to(tl.int64)[:, None] * n_tiles + tiles[None, :]
+    big = tl.load(big_ptr + rows, mask=row_ok, other=0.0)
+    m_t = tl.load(m_ptr + at, mask=ok, other=0.0)
+    s_t = tl.load(s_ptr + at, mask=ok, other=0.0)
+    shift = m_t - big[:, None]
+    f = fm.ex2(shift * LOG2E, ASM)
+    tl.store(us_ptr + at, fm.mul(s_t, f, ASM), mask=ok)
+    if HAS_PZ:
+        pz_t = tl.load(pz_ptr + at, mask=ok, other=0.0)
+        tl.store(upz_ptr + at, fm.mul(fm.fma(shift, s_t, pz_t, ASM), f, ASM), mask=ok)
+    if HAS_Q:
+        zy = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
+        if HAS_CW:
+            w_t = tl.load(wt_ptr + tiles, mask=tiles < n_tiles, other=0.0)
+        else:  # the tile's column count
+            w_t = tl.minimum(V - tiles * TILE_N, TILE_N).to(tl.float32)
+        tl.store(uq_ptr + at, fm.fma(m_t - zy[:, None], w_t[None, :], tl.load(q_ptr + at, mask=ok, other=0.0), ASM),
+                 mask=ok)
+
+
+def gemm_config(cfg=None):
+    """The logits GEMM's tiles: `cfg`, else the GPU's, or the interpreter's small ones."""
+    return cfg or (GEMM if fm.ASM else GEMM_INTERPRETER)
+
+
+def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision, out=None, store=True,
+                cfg=None):
+    """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y_safe` [n]: the targets, 0 where
+    outside [0, V). Writes the exp-scaled tile values into `out` (or a new [n, V] array in x's dtype; neither
+    without `store`) and returns (that array or None, the [n, T] partials {m, s, amax, zy[, q][, pz]} of the
+    T = ceil(V / tile_n) tiles)."""
+    cfg = gemm_config(cfg)
+    n, hidden = x.shape
+    V = w.shape[0]
+    n_tiles = triton.cdiv(V, cfg.tile_n)
+    e = out if out is not None or not store else x.new_empty((n, V))
+    parts = {k: x.new_empty((n, n_tiles), dtype=torch.int32 if k == "amax" else F32)
+             for k, on in (("m", 1), ("s", 1), ("amax", 1), ("zy", 1), ("q", spec.q), ("pz", spec.pz)) if on}
+    if n == 0:
+        return e, parts
+    m = parts["m"]
+    _logit_tiles_kernel[(triton.cdiv(n, cfg.tile_m) * n_tiles,)](
+        x, w, bias if bias is not None else x, y_safe, class_weights if class_weights is not None else m,
+        x if e is None else e, 0 if e is None else e.stride(0), m, parts["s"], parts["amax"], parts["zy"],
+        parts.get("q", m), parts.get("pz", m), n, V, hidden, n_tiles, float(transform.softcap or 1.0),
+        float(transform.temperature), HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None,
+        HAS_TEMP=transform.has_temperature, HAS_CW=class_weights is not None, HAS_Q=spec.q, HAS_PZ=spec.pz,
+        STORE=e is not None, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k,
+        LOG2_BN=cfg.tile_n.bit_length() - 1, EVEN_K=hidden % cfg.tile_k == 0, ASM=fm.ASM, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return e, parts
+
+
+def merge_tiles(parts, vocab, tile_weights=None, cfg=None):
+    """The rows' statistics {m, s, zy, amax[, q][, pz]} ([n] each, as `row_stats` + `pairwise_sum` give them)
+    from the [n, T] partials of `logit_tiles`: the max over tiles; the first tile holding it gives the argmax;
+    s (and pz) rescaled to the row max and q shifted to z_y by the tile's class weight sum (`tile_weights`
+    [T], `fce_core.rows.tile_weights`; without class weights its column count), then `pairwise_sum` over the
+    tiles."""
+    tile_n = gemm_config(cfg).tile_n
+    m_t = parts["m"]
+    n, n_tiles = m_t.shape
+    big = m_t.amax(dim=1) if n_tiles else m_t.new_zeros(n)
+    first = (m_t == big[:, None]).to(torch.int8).argmax(dim=1, keepdim=True)
+    stats = {"m": big, "zy": parts["zy"].amax(dim=1), "amax": parts["amax"].gather(1, first)[:, 0]}
+    units = {k: torch.empty_like(m_t) for k in ("s", "q", "pz") if k in parts}
+    if n:
+        _merge_tiles_kernel[(triton.cdiv(n, TILE_ROWS.block), triton.cdiv(n_tiles, 128))](
+            m_t, parts["s"], parts.get("q", m_t), parts.get("pz", m_t),
+            tile_weights if tile_weights is not None else m_t, big, stats["zy"], units["s"], units.get("q", m_t),
+            units.get("pz", m_t), n, n_tiles, vocab, HAS_Q="q" in parts, HAS_PZ="pz" in parts,
+            HAS_CW=tile_weights is not None, TILE_N=tile_n, BR=TILE_ROWS.block, BT=128, ASM=fm.ASM,
+            num_warps=TILE_ROWS.num_warps)
+    stats.update({k: pairwise_sum(v) for k, v in units.items()})
+    return stats

@@ -1,0 +1,574 @@
+"""fused_lce(..., engine="fused") (SPEC §1) of both twins against the float64 reference, and its kernels.
+
+The fused engine computes the logits with our own GEMM, whose epilogue keeps per-(row, tile) statistics and
+stores exp-scaled 16-bit tile values instead of float32 logits (fce_*/kernels/logit_tiles.py, merged by
+`merge_tiles`), then rewrites those values into dZ (fce_*/kernels/tile_dlogits.py); `fce_core.plan.fused_rows`
+plans its chunks and `fce_core.contract.check_engine` its refusals.
+
+- every option of SPEC §1 on the fused engine (each dtype, V not a multiple of the interpreter's tile width
+  ``GEMM_INTERPRETER.tile_n`` = 32 and V below it, one row, all rows ignored, huge logits, 3-D x, bias, class
+  weights with label smoothing, z-loss, softcap with label smoothing up to the accepted 43, token scaling, each
+  reduction, "none" with a random cotangent) through `twins.check_flce` (SPEC bounds of loss, dx, dw, db,
+  z_loss, accuracy; lse and argmax), with several chunks in both of the fused planner's dZ plans (kept, and the
+  float32 dW accumulator: asserted from ``plan_rows(..., engine="fused")``);
+- the kernels of each twin against float64 computed here: `logit_tiles` + `merge_tiles` (m, s, zy, first
+  argmax, q with and without class weights, pz; the tile maxima and the stored tile values e = exp(z - m_t) to
+  their dtype's rounding; nothing written outside the given rows and columns) and `tile_dlogits` (dZ from given
+  coefficient rows, elementwise within the rounding of e and of dZ). Their inputs lie on a coarse binary grid
+  so that the float32 GEMM is exact: m, zy and the argmax (planted ties across and within tiles) compare
+  exactly; and that fused_lce's engine="fused" runs them (its stages hold tile values, not float32 logits);
+- bad input (an unknown engine, the refused softcap with label smoothing, vocab-parallel through
+  `check_engine`) and determinism (two runs, two compilations in JAX, give the same bits).
+
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fce_core.config import GEMM_INTERPRETER
+from fce_core.contract import FUSED_SOFTCAP_WITH_SMOOTHING, FUSED_SOFTCAP_WITH_SMOOTHING_F16, check_engine
+from fce_core.heads import StatsSpec
+from fce_core.options import Transform
+from fce_core.plan import layout, plan_rows
+from fce_core.rows import tile_weights
+from helpers import to_jax
+from parity.cases import IGNORE_INDEX, Case, make_inputs
+from parity.reference import as_float64
+from twins import check_flce, each_twin, quick_jit
+
+TILE_N = GEMM_INTERPRETER.tile_n
+F64 = torch.float64
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _fused(case: Case) -> Case:
+    return dataclasses.replace(case, engine="fused")
+
+
+def _check(twin, case: Case, inp: dict, out: dict, **kw) -> dict:
+    """`check_flce` of a fused run and the output dtypes and shapes: a float32 loss and lse, each gradient in
+    its input's dtype."""
+    assert case.engine == "fused"
+    assert twin.dtype(out["loss"]) == "float32" and twin.dtype(out["lse"]) == "float32"
+    for k, d in (("x", "dx"), ("weight", "dw"), ("bias", "db")):
+        assert (out[d] is None) == (inp[k] is None), d
+        if inp[k] is not None:
+            assert tuple(out[d].shape) == tuple(inp[k].shape), d
+            assert twin.dtype(out[d]) == twin.dtype(inp[k]), d
+    return check_flce(case, inp, out, **kw)
+
+
+# ============================================================================ 1. fused_lce: the case grid
+FUSED_CASES = {  # id: (case, chunk_rows)
+    "f32_v777_bias": (Case("f32", (37,), 32, 777, "float32", bias=True, seed=101), 8),
+    "bf16_3d_f32_bias": (Case("bf16_3d", (2, 5), 24, 130, "bfloat16", bias=True, bias_dtype="float32", seed=102), 4),
+    "f16_v777": (Case("f16", (15,), 32, 777, "float16", seed=103), None),
+    "single_row": (Case("one", (1,), 16, 130, "float32", ignore_frac=0.0, label_smoothing=0.1, seed=104), None),
+    "vocab_below_tile": (Case("v20", (9,), 16, 20, "float32", label_smoothing=0.1, z_loss=1e-3, seed=105), 4),
+    "huge_f32": (Case("huge32", (19,), 32, 777, "float32", bias=True, label_smoothing=0.1, z_loss=1e-4,
+                      logit_scale=50.0, seed=106), 8),
+    "huge_bf16": (Case("hugebf", (13,), 48, 1000, "bfloat16", bias=True, label_smoothing=0.1, logit_scale=50.0,
+                       seed=107), 8),
+    "huge_f16_sum": (Case("huge16", (13,), 32, 1000, "float16", reduction="sum", logit_scale=50.0, seed=108), None),
+    "class_weights": (Case("cw", (29,), 40, 777, "float32", class_weights=True, seed=109), 8),
+    "cw_smoothing": (Case("cwls", (21,), 32, 777, "float32", class_weights=True, label_smoothing=0.2,
+                          logit_scale=4.0, seed=110), 8),
+    "cw_smoothing_bf16": (Case("cwlsbf", (17,), 32, 130, "bfloat16", class_weights=True, label_smoothing=0.6,
+                               logit_scale=4.0, seed=111), 4),
+    "z_loss": (Case("zl", (23,), 40, 130, "float32", z_loss=1e-2, logit_scale=5.0, seed=112), 8),
+    "softcap43_smoothing_f32": (Case("cap43", (17,), 32, 777, "float32", softcap=FUSED_SOFTCAP_WITH_SMOOTHING,
+                                     label_smoothing=0.1, logit_scale=100.0, seed=113), 8),
+    "softcap_smoothing_bf16": (Case("capbf", (17,), 32, 777, "bfloat16", softcap=30.0, label_smoothing=0.5,
+                                    logit_scale=30.0, seed=114), 8),
+    "softcap_smoothing_f16": (Case("cap16", (17,), 32, 777, "float16", softcap=FUSED_SOFTCAP_WITH_SMOOTHING_F16,
+                                   label_smoothing=0.5, logit_scale=30.0, seed=114), 8),
+    "softcap_f16": (Case("cap16ns", (13,), 32, 777, "float16", softcap=15.0, logit_scale=30.0, seed=115), None),
+    "token_scaling": (Case("ts", (19,), 32, 777, "float32", bias=True, token_scaling=True, z_loss=1e-3,
+                           label_smoothing=0.1, seed=116), 8),
+    "sum_bf16": (Case("sumbf", (11,), 32, 130, "bfloat16", reduction="sum", seed=117), 4),
+}
+
+
+@each_twin
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_fused_case_matches_reference(twin, name):
+    """loss, dx, dw, db and the stats (lse, z_loss, accuracy, argmax) within the SPEC bounds."""
+    case, chunk_rows = FUSED_CASES[name]
+    case = _fused(case)
+    inp = make_inputs(case)
+    out = twin.run(inp, case.options(), chunk_rows=chunk_rows)
+    assert tuple(out["loss"].shape) == (() if case.reduction != "none" else case.shape)
+    assert tuple(out["lse"].shape) == tuple(out["argmax"].shape) == case.shape
+    _check(twin, case, inp, out)
+
+
+NONE_CASES = {
+    "f32_cw_smoothing": (Case("none32", (2, 7), 32, 777, "float32", reduction="none", class_weights=True,
+                              label_smoothing=0.1, seed=120), 4),
+    "f16_all_options": (Case("none16", (3, 2), 16, 130, "float16", bias=True, reduction="none",
+                             label_smoothing=0.2, z_loss=1e-3, softcap=FUSED_SOFTCAP_WITH_SMOOTHING_F16,
+                             class_weights=True, ignore_frac=0.3,
+                             seed=121), 4),
+}
+
+
+@each_twin
+@pytest.mark.parametrize("name", list(NONE_CASES))
+def test_fused_none_random_grad_output(twin, name):
+    """reduction="none" with a random signed cotangent per row, several chunks."""
+    case, chunk_rows = NONE_CASES[name]
+    case = _fused(case)
+    inp = make_inputs(case)
+    g = torch.randn(case.shape, generator=torch.Generator().manual_seed(122))
+    out = twin.run(inp, case.options(), chunk_rows=chunk_rows, grad_output=g)
+    assert tuple(out["loss"].shape) == case.shape
+    _check(twin, case, inp, out, grad_output=g)
+
+
+@each_twin
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fused_all_rows_ignored(twin, reduction):
+    """Every option on, every row ignored: loss, z_loss, accuracy and the gradients exactly 0 (finite), lse 0,
+    argmax -1."""
+    case = _fused(Case("allign", (2, 9), 16, 130, "float32", bias=True, reduction=reduction, label_smoothing=0.1,
+                       z_loss=1e-3, softcap=20.0, class_weights=True, ignore_frac=1.0, seed=123))
+    inp = make_inputs(case)
+    out = twin.run(inp, case.options(), chunk_rows=8)
+    for k in ("loss", "z_loss", "accuracy", "lse", "dx", "dw", "db"):
+        v = as_float64(out[k])
+        assert np.isfinite(v).all() and np.all(v == 0), f"{k} = {v}"
+    assert np.all(as_float64(out["argmax"]) == -1)
+    _check(twin, case, inp, out)
+
+
+CHUNKING = {  # id: (plan, dtype, H, chunk_rows)
+    "kept_bf16_rows1": ("kept", "bfloat16", 48, 1),
+    "kept_bf16_rows12": ("kept", "bfloat16", 48, 12),
+    "accumulated_bf16_rows5": ("accumulated", "bfloat16", 16, 5),
+    "accumulated_f32_rows12": ("accumulated", "float32", 48, 12),
+    "one_chunk_f32_rows100": ("one", "float32", 16, 100),
+}
+
+
+def _chunking_case(dtype, h):
+    return _fused(Case("chunks", (37,), h, 300, dtype, bias=True, class_weights=True, label_smoothing=0.1,
+                       z_loss=1e-3, softcap=20.0, logit_scale=5.0, ignore_frac=0.3, seed=124))
+
+
+@each_twin
+@pytest.mark.parametrize("name", list(CHUNKING))
+def test_fused_chunking_plans(twin, name):
+    """Chunks of one row, a remainder chunk plus full ones, and more rows than N, with the fused plan keeping
+    every chunk's dZ (N * itemsize <= H * (4 - itemsize) + rows * itemsize: only 16-bit inputs) and with the
+    float32 dW accumulator; every option on; the reference's results."""
+    plan_kind, dtype, h, chunk_rows = CHUNKING[name]
+    case = _chunking_case(dtype, h)
+    p = plan_rows(37, h, 300, ITEMSIZE[dtype], need_grads=True, requested=chunk_rows, engine="fused")
+    n_chunks = layout(37, p.rows)[1]
+    if plan_kind == "one":
+        assert n_chunks == 1 and p.single_product(True)
+    else:
+        assert n_chunks > 1 and p.keep_dz == (plan_kind == "kept")
+        assert p.single_product(True) == (plan_kind == "kept")    # accumulated: a float32 dW accumulator
+    if name == "accumulated_f32_rows12":   # the library engine would keep this dZ (N * 4 <= 4 H)
+        assert plan_rows(37, h, 300, 4, need_grads=True, requested=chunk_rows).keep_dz
+    inp = make_inputs(case)
+    _check(twin, case, inp, twin.run(inp, case.options(), chunk_rows=chunk_rows))
+
+
+# ============================================================================ 2. the kernels
+class TorchTiles:
+    name = "torch"
+
+    @staticmethod
+    def arr(t):
+        return t
+
+    def forward(self, x, w, bias, y_safe, cw, spec, tr, n_extra):
+        """(e [n, V] in a buffer of n_extra more columns filled with 3.0, that buffer, partials, stats, the
+        partials of store=False)."""
+        from fce_torch import arrays, gemm
+        from fce_torch.kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
+
+        assert gemm_config().tile_n == TILE_N
+        n, v = x.shape[0], w.shape[0]
+        buf = torch.full((n, v + n_extra), 3.0, dtype=x.dtype)
+        kw = dict(spec=spec, transform=tr, precision=gemm.triton_precision(x))
+        e, parts = logit_tiles(x, w, bias, y_safe, cw, out=buf[:, :v], **kw)
+        assert e.data_ptr() == buf.data_ptr()
+        none, parts_no_store = logit_tiles(x, w, bias, y_safe, cw, store=False, **kw)
+        assert none is None
+        tw = None if cw is None else tile_weights(arrays, cw, TILE_N)
+        return e.clone(), buf.clone(), parts, merge_tiles(parts, v, tw), parts_no_store
+
+    def dlogits(self, buf, v, m_tiles, y, zy, cw, coef, tr):
+        """dZ written over the tile values in place (rows of the buffer, stride v + extra)."""
+        from fce_torch.kernels.tile_dlogits import tile_dlogits
+
+        buf = buf.clone()
+        tile_dlogits(buf[:, :v], m_tiles, y, zy, cw, coef, transform=tr)
+        return buf
+
+
+class JaxTiles:
+    """The Pallas kernels under one quick jax.jit per call (the tile values go into rows [ROW0, ROW0 + n) of a
+    larger array, as the engine's kept dZ takes them)."""
+
+    name = "jax"
+    ROW0 = 2
+
+    @staticmethod
+    def arr(t):
+        return None if t is None else to_jax(t)
+
+    def forward(self, x, w, bias, y_safe, cw, spec, tr, n_extra):
+        import jax.numpy as jnp
+
+        from fce_jax import arrays, gemm
+        from fce_jax.kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
+
+        assert gemm_config().tile_n == TILE_N
+        n, v = x.shape[0], w.shape[0]
+
+        def f(x, w, bias, y_safe, cw, into):
+            kw = dict(spec=spec, transform=tr, precision=gemm.pallas_precision(x))
+            e, parts = logit_tiles(x, w, bias, y_safe, cw, into=into, row0=self.ROW0, **kw)
+            none, parts_no_store = logit_tiles(x, w, bias, y_safe, cw, store=False, **kw)
+            assert none is None
+            tw = None if cw is None else tile_weights(arrays, cw, TILE_N)
+            return e, parts, merge_tiles(parts, v, tw), parts_no_store
+
+        into = jnp.full((n + n_extra, v), 3.0, x.dtype)
+        buf, parts, stats, parts_no_store = quick_jit(f)(x, w, bias, y_safe, cw, into)
+        return buf[self.ROW0:self.ROW0 + n], buf, parts, stats, parts_no_store
+
+    def dlogits(self, buf, v, m_tiles, y, zy, cw, coef, tr):
+        from fce_jax.kernels.tile_dlogits import tile_dlogits
+
+        return quick_jit(lambda *a: tile_dlogits(*a, transform=tr, row0=self.ROW0))(buf, m_tiles, y, zy, cw, coef)
+
+
+TILES = [TorchTiles(), JaxTiles()]
+each_kernel_twin = pytest.mark.parametrize("k", TILES, ids=[k.name for k in TILES])
+
+TILE_CASES = {  # id: (dtype, rows, H, V, logit scale, bias, class weights, q, pz, softcap, temperature)
+    "f32_bias_q_pz": ("float32", 21, 40, 130, 3.0, True, False, True, True, None, 1.0),
+    "bf16_cw_q_softcap": ("bfloat16", 21, 32, 130, 5.0, False, True, True, False, 10.0, 1.0),
+    "f16_cw_q_pz_softcap_temperature": ("float16", 17, 24, 100, 3.0, True, True, True, True, 3.0, 0.7),
+    "f32_one_row_huge_pz": ("float32", 1, 48, 777, 50.0, True, False, False, True, None, 1.0),
+}
+UNIT = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}     # unit roundoff
+TINY = {"float32": 2.0 ** -126, "bfloat16": 2.0 ** -126, "float16": 2.0 ** -24}  # what may flush / round away
+U32 = 2.0 ** -24
+
+
+def _exact_logits(x, w, bias):
+    return x.double() @ w.double().T + (0.0 if bias is None else bias.double())
+
+
+def _grid_inputs(dtype, n, h, v, scale, has_bias, has_cw, seed):
+    """x in quarters of [-2, 2], weight and bias integer multiples of a power of two: every product and
+    partial sum of the logits GEMM is exact in float32 (and every value exact in the 16-bit dtypes). The
+    logits are ~ N(0, scale²). Planted maxima: row 0's at columns 5 and 70 (tiles 0 and 2, equal), row 1's at
+    33 and 40 (one tile, equal), each just above the row's other logits. Targets in [0, V), row 3 ignored."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-8, 9, (n, h), generator=g) / 4.0
+    step = 2.0 ** round(math.log2(scale / (11.6 * math.sqrt(h))))
+    w = torch.randint(-16, 17, (v, h), generator=g) * step
+    bias = torch.randint(-16, 17, (v,), generator=g) * (step / 4) if has_bias else None
+    cw = (torch.rand(v, generator=g) * 3 - 1) if has_cw else None
+    if cw is not None:
+        cw[[7, 64]] = 0.0
+    planted = [(0, (5, 70)), (1, (33, 40))][:n]
+    for row, cols in planted:    # copies of the row's top column, raised by 2 steps along its largest |x|
+        top, k = int(_exact_logits(x, w, bias)[row].argmax()), int(x[row].abs().argmax())
+        for c in cols:
+            w[c] = w[top]
+            w[c, k] += 2 * step * float(torch.sign(x[row, k]))
+            if bias is not None:
+                bias[c] = bias[top]
+    r = _exact_logits(x, w, bias)
+    for row, cols in planted:
+        assert r[row, cols[0]] == r[row, cols[1]] == r[row].max() and int(r[row].argmax()) == cols[0]
+    y = torch.randint(0, v, (n,), generator=g)
+    if n > 3:
+        y[3] = IGNORE_INDEX
+    dt = getattr(torch, dtype)
+    out = {"x": x.to(dt), "w": w.to(dt), "bias": None if bias is None else bias.to(dt), "cw": cw, "y": y}
+    assert torch.equal(out["x"].double(), x.double()) and torch.equal(out["w"].double(), w.double())
+    return out, dict(planted)
+
+
+def _reference_tiles(inp, softcap, temperature):
+    """float64: r, z, the tile maxima [n, T], m, zy (of y_safe), first argmax, s, q, pz, and e = exp(z - m_t)."""
+    r = _exact_logits(inp["x"], inp["w"], inp["bias"])
+    z = r if softcap is None else softcap * torch.tanh(r / softcap)
+    z = z / temperature
+    n, v = z.shape
+    n_tiles = -(-v // TILE_N)
+    padded = torch.full((n, n_tiles * TILE_N), -math.inf, dtype=F64)
+    padded[:, :v] = z
+    m_t = padded.view(n, n_tiles, TILE_N).max(dim=2).values
+    m_col = m_t.repeat_interleave(TILE_N, dim=1)[:, :v]
+    m = z.max(dim=1).values
+    y_safe = torch.where(inp["y"] >= 0, inp["y"], 0)
+    zy = z.gather(1, y_safe[:, None])[:, 0]
+    w_c = torch.ones(v, dtype=F64) if inp["cw"] is None else inp["cw"].double()
+    p_m = torch.exp(z - m[:, None])
+    return {"r": r, "z": z, "m_t": m_t, "m_col": m_col, "m": m, "zy": zy, "y_safe": y_safe,
+            "amax": torch.from_numpy(np.argmax(z.numpy(), axis=1)), "s": p_m.sum(1), "e": torch.exp(z - m_col),
+            "w": w_c, "q": (w_c * (z - zy[:, None])).sum(1), "pz": (p_m * (z - m[:, None])).sum(1), "p_m": p_m}
+
+
+def _logit_error(ref, softcap, temperature):
+    """A bound on |z_kernel - z| per element: 0 for the exact GEMM, else the tanh's and the division's
+    float32 rounding."""
+    if softcap is None and temperature == 1.0:
+        return torch.zeros_like(ref["z"])
+    return 4 * U32 * ((softcap or 0.0) / temperature + ref["z"].abs() + 1.0)
+
+
+def _assert_within(got, want, bound, what):
+    """|got - want| <= bound elementwise (float64 tensors; bound broadcast)."""
+    ratio = (got - want).abs() / torch.as_tensor(bound).clamp(min=1e-300).expand_as(want)
+    worst = np.unravel_index(int(ratio.argmax()), ratio.shape) if ratio.numel() else ()
+    assert torch.all(ratio <= 1), f"{what}: {float(ratio.max()):.3g} x its bound at {worst}"
+
+
+def _tile_case(name):
+    dtype, n, h, v, scale, has_bias, has_cw, q, pz, cap, temp = TILE_CASES[name]
+    inp, planted = _grid_inputs(dtype, n, h, v, scale, has_bias, has_cw, seed=200 + len(name) + n)
+    return dtype, inp, planted, StatsSpec(q=q, pz=pz), Transform(softcap=cap, temperature=temp)
+
+
+@each_kernel_twin
+@pytest.mark.parametrize("name", list(TILE_CASES))
+def test_logit_tiles_and_merge(k, name):
+    """The [n, T] partials (T = ceil(V / 32)), the tile maxima (exact without a softcap), the stored
+    e = exp(z - m_t) in the input dtype (1 exactly at each tile's max, else within its rounding), nothing
+    written outside the given rows and columns, store=False giving the same partials, and the merged
+    m, zy, first argmax (exactly), s, q, pz against float64."""
+    dtype, inp, planted, spec, tr = _tile_case(name)
+    n, v = inp["x"].shape[0], inp["w"].shape[0]
+    n_tiles = -(-v // TILE_N)
+    ref = _reference_tiles(inp, tr.softcap, tr.temperature)
+    dz_err = _logit_error(ref, tr.softcap, tr.temperature)
+    delta = dz_err.max(dim=1).values                                      # per row
+    y_safe = ref["y_safe"]
+    e, buf, parts, stats, parts_ns = k.forward(k.arr(inp["x"]), k.arr(inp["w"]), k.arr(inp["bias"]),
+                                               k.arr(y_safe.to(torch.int32)), k.arr(inp["cw"]), spec, tr, 5)
+
+    want = {"m", "s", "amax", "zy"} | ({"q"} if spec.q else set()) | ({"pz"} if spec.pz else set())
+    assert set(parts) == want and set(parts_ns) == want and set(stats) == want
+    for key, part in parts.items():
+        assert tuple(part.shape) == (n, n_tiles), key
+        assert str(part.dtype).endswith("int32" if key == "amax" else "float32"), key
+        assert np.array_equal(as_float64(part), as_float64(parts_ns[key])), key
+
+    # the tile maxima and the stored tile values
+    m_t = torch.from_numpy(as_float64(parts["m"]))
+    _assert_within(m_t, ref["m_t"], delta[:, None], "tile maxima")
+    e64 = torch.from_numpy(as_float64(e))
+    assert str(e.dtype).removeprefix("torch.") == dtype and tuple(e.shape) == (n, v)
+    rtol = UNIT[dtype] + 4 * U32 * ((ref["z"] - ref["m_col"]).abs() + 2) + 2 * dz_err + 2 * delta[:, None]
+    _assert_within(e64, ref["e"], rtol * ref["e"] + TINY[dtype], "tile values e")
+    assert torch.all(e64 <= 1.0)
+    padded = torch.zeros(n, n_tiles * TILE_N, dtype=F64)
+    padded[:, :v] = e64
+    assert torch.all(padded.view(n, n_tiles, TILE_N).max(dim=2).values == 1.0)
+    buf = as_float64(buf)
+    if k.name == "torch":
+        assert np.all(buf[:, v:] == 3.0)                                      # columns past V untouched
+    else:
+        assert np.all(buf[:k.ROW0] == 3.0) and np.all(buf[k.ROW0 + n:] == 3.0)   # rows outside untouched
+
+    # the merged row statistics
+    got = {key: torch.from_numpy(as_float64(t)) for key, t in stats.items()}
+    _assert_within(got["m"], ref["m"], delta, "m")
+    _assert_within(got["zy"], ref["zy"], delta, "zy")
+    amax = got["amax"].to(torch.int64)
+    if tr.softcap is None and tr.temperature == 1.0:
+        assert torch.equal(amax, ref["amax"]), (amax, ref["amax"])
+    else:   # a float32 tie of the tanh
+        assert torch.all((amax == ref["amax"]) | (ref["z"].gather(1, amax[:, None])[:, 0] >= ref["m"] - 2 * delta))
+    for row, cols in planted.items():
+        assert int(amax[row]) == cols[0] == int(ref["amax"][row]), (row, int(amax[row]))
+    far = (ref["z"] - ref["m"][:, None]).abs()
+    bound_s = (ref["p_m"] * (2 ** -21 * (far + 2) + 2 * dz_err + 2 * delta[:, None])).sum(1) + 1e-6 * ref["s"]
+    _assert_within(got["s"], ref["s"], bound_s, "s")
+    if spec.q:
+        wa = ref["w"].abs()
+        terms = wa * ((ref["z"] - ref["m_col"]).abs() + (ref["m_col"] - ref["zy"][:, None]).abs())
+        bound_q = 64 * U32 * terms.sum(1) + (wa * (dz_err + delta[:, None])).sum(1)
+        _assert_within(got["q"], ref["q"], bound_q, "q")
+    if spec.pz:
+        bound_pz = (ref["p_m"] * ((2 ** -18 + 4 * dz_err + 4 * delta[:, None]) * (far + 1))).sum(1)
+        _assert_within(got["pz"], ref["pz"], bound_pz, "pz")
+
+
+@each_kernel_twin
+@pytest.mark.parametrize("name", list(TILE_CASES))
+def test_tile_dlogits(k, name):
+    """dZ = (a p + b [c == y] + c w_c (+ d p (z - mu))) (1 - tanh²(r / cap)) / temperature from the stored
+    tile values, given float32 coefficient rows (lse from float64), elementwise within the rounding of e and
+    of dZ; a row whose coefficients are all 0 gives exact zeros, an ignored row (y = -100) no target term;
+    nothing written outside the given rows and columns."""
+    dtype, inp, _, spec, tr = _tile_case(name)
+    n, v = inp["x"].shape[0], inp["w"].shape[0]
+    entropy = spec.pz
+    ref = _reference_tiles(inp, tr.softcap, tr.temperature)
+    dz_err = _logit_error(ref, tr.softcap, tr.temperature)
+    _, buf, parts, stats, _ = k.forward(k.arr(inp["x"]), k.arr(inp["w"]), k.arr(inp["bias"]),
+                                        k.arr(ref["y_safe"].to(torch.int32)), k.arr(inp["cw"]), spec, tr, 5)
+    if dtype == "float16" and (entropy or tr.softcap is not None):   # these inputs keep every e a normal float16,
+        assert ref["e"].min() >= 2 ** -14                           # so that z = m_t + ln e holds to its rounding
+    g = torch.Generator().manual_seed(300 + n)
+    lse = torch.logsumexp(ref["z"], 1)
+    coef = {"lse": lse.float(), "a": torch.randn(n, generator=g), "b": torch.randn(n, generator=g),
+            "c": torch.randn(n, generator=g) * 0.05}
+    if entropy:
+        coef["d"] = torch.randn(n, generator=g)
+        coef["mu"] = (torch.softmax(ref["z"], 1) * ref["z"]).sum(1).float()
+    if n > 2:   # a dead row
+        for key in ("a", "b", "c", "d"):
+            if key in coef:
+                coef[key][2] = 0.0
+    y = inp["y"].to(torch.int32)
+    out = k.dlogits(buf, v, parts["m"], k.arr(y), stats["zy"], k.arr(inp["cw"]),
+                    {key: k.arr(c) for key, c in coef.items()}, tr)
+    out = as_float64(out)
+    if k.name == "torch":
+        assert np.all(out[:, v:] == 3.0)
+        dz = torch.from_numpy(out[:, :v].copy())
+    else:
+        assert np.all(out[:k.ROW0] == 3.0) and np.all(out[k.ROW0 + n:] == 3.0)
+        dz = torch.from_numpy(out[k.ROW0:k.ROW0 + n].copy())
+
+    c64 = {key: t.double()[:, None] for key, t in coef.items()}
+    z, p = ref["z"], torch.exp(ref["z"] - c64["lse"])
+    onehot = torch.zeros(n, v, dtype=F64)
+    ok = y >= 0
+    onehot[ok.nonzero()[:, 0], y[ok].long()] = 1.0
+    cw = ref["w"][None, :]
+    terms = c64["a"] * p + c64["b"] * onehot + c64["c"] * cw
+    mag = (c64["a"] * p).abs() + (c64["b"] * onehot).abs() + (c64["c"] * cw).abs()
+    # p = e exp(m_t - lse): e's rounding and the float32 exponentials
+    pe = UNIT[dtype] + 4 * U32 * ((z - ref["m_col"]).abs() + (ref["m_col"] - c64["lse"]).abs() + 4) + 2 * dz_err
+    p_abs = pe * p + TINY[dtype] * torch.exp(ref["m_col"] - c64["lse"])
+    err = c64["a"].abs() * p_abs
+    # z = m_t + ln e (the exact z_y in the target column)
+    z_err = torch.where(onehot > 0, dz_err, 1.01 * UNIT[dtype] + 4 * U32 * (z.abs() + 1) + 2 * dz_err)
+    if entropy:
+        zm = z - c64["mu"]
+        terms = terms + c64["d"] * p * zm
+        mag = mag + (c64["d"] * p * zm).abs()
+        err = err + c64["d"].abs() * (p_abs * zm.abs() + p * (z_err + 1e-6 * (c64["mu"].abs() + 1)))
+    deriv, deriv_err = torch.ones_like(z), torch.zeros_like(z)
+    if tr.softcap is not None:
+        th = torch.tanh(ref["r"] / tr.softcap)
+        deriv = 1 - th * th
+        deriv_err = 2 * th.abs() * z_err * tr.temperature / tr.softcap + 4 * U32
+    want = terms * deriv / tr.temperature
+    bound = ((err + 4 * U32 * mag) * deriv + terms.abs() * deriv_err) / tr.temperature
+    bound = bound + UNIT[dtype] * (want.abs() + bound) + TINY[dtype]     # dZ's own rounding
+    _assert_within(dz, want, bound, "dZ")
+    if n > 2:
+        assert torch.all(dz[2] == 0)
+    assert (dz.abs() > 0).sum() > dz.numel() // 2     # not vacuous
+
+
+@each_twin
+def test_fused_engine_runs_its_kernels(twin):
+    """engine="fused" runs the tile kernels (the stages of `debug_intermediates`: the first chunk's tile values
+    in the input dtype, equal to exp(z - m_t) of the float64 logits to bfloat16 rounding, instead of float32
+    logits), engine="library" the library GEMM."""
+    import importlib
+
+    case = Case("stages", (21,), 32, 130, "bfloat16", bias=True, ignore_frac=0.0, seed=125)   # no reordering
+    inp = make_inputs(case)
+    debug = importlib.import_module(f"{twin.lib.__name__}.debug").debug_intermediates
+    args = [twin.array(inp[k]) for k in ("x", "weight", "targets")]
+    fused = debug(*args, bias=twin.array(inp["bias"]), engine="fused", chunk_rows=8)
+    library = debug(*args, bias=twin.array(inp["bias"]), engine="library", chunk_rows=8)
+    assert "logits" in library and "tiles" not in library
+    assert "logits" not in fused and twin.dtype(fused["tiles"]) == "bfloat16"
+    rows = layout(21, 8)[0]                                           # the first chunk takes the remainder
+    assert tuple(fused["tiles"].shape) == (rows, 130)
+    z = _exact_logits(inp["x"][:rows], inp["weight"], inp["bias"])
+    m_col = torch.stack([z[:, i:i + TILE_N].max(dim=1).values for i in range(0, 130, TILE_N)], 1)
+    e_ref = torch.exp(z - m_col.repeat_interleave(TILE_N, dim=1)[:, :130])
+    _assert_within(torch.from_numpy(as_float64(fused["tiles"])), e_ref, (UNIT["bfloat16"] + 1e-4) * e_ref, "tiles")
+
+
+# ============================================================================ 3. bad input
+def _small_args(twin):
+    g = torch.Generator().manual_seed(31)
+    return (twin.array(torch.randn(6, 8, generator=g)), twin.array(torch.randn(13, 8, generator=g)),
+            twin.array(torch.randint(0, 13, (6,), generator=g)))
+
+
+@each_twin
+@pytest.mark.parametrize("engine", ["bogus", "Fused", None])
+def test_unknown_engine_raises(twin, engine):
+    x, w, t = _small_args(twin)
+    with pytest.raises(ValueError, match="engine"):
+        twin.call(x, w, t, engine=engine)
+
+
+@each_twin
+@pytest.mark.parametrize("dtype,softcap", [("float32", 50.0), ("float16", 5.0)])
+def test_fused_refuses_large_softcap_with_smoothing(twin, dtype, softcap):
+    """engine="fused" with label smoothing under a softcap above the dtype's limit (43; float16 4.8, where
+    float16 tile values underflow): ValueError naming the engine and the softcap."""
+    x, w, t = _small_args(twin)
+    cast = (lambda a: a.to(torch.float16)) if twin.name == "torch" else (lambda a: a.astype("float16"))
+    if dtype == "float16":
+        x, w = cast(x), cast(w)
+    with pytest.raises(ValueError, match="softcap") as info:
+        twin.call(x, w, t, engine="fused", softcap=softcap, label_smoothing=0.1)
+    assert "engine" in str(info.value)
+
+
+def test_check_engine():
+    """The contract's engine checks: the names, vocab-parallel refused for the fused engine only, and the
+    softcap limit with label smoothing (none without smoothing or without a softcap)."""
+    for engine in ("library", "fused"):
+        check_engine(engine)
+        check_engine(engine, label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING)
+        check_engine(engine, label_smoothing=0.0, softcap=1000.0)
+        check_engine(engine, label_smoothing=1.0, softcap=None)
+    check_engine("library", vocab_parallel=True)
+    check_engine("library", label_smoothing=0.1, softcap=50.0)
+    with pytest.raises(ValueError, match="vocab-parallel"):
+        check_engine("fused", vocab_parallel=True)
+    with pytest.raises(ValueError, match="softcap"):
+        check_engine("fused", label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING * 1.0001)
+    check_engine("fused", label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING_F16, dtype="float16")
+    with pytest.raises(ValueError, match="softcap"):
+        check_engine("fused", label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING_F16 * 1.0001,
+                     dtype="float16")
+    with pytest.raises(ValueError, match="engine"):
+        check_engine("v2")
+
+
+# ============================================================================ 4. determinism
+@each_twin
+@pytest.mark.parametrize("name", ["kept_bf16_rows12", "accumulated_f32_rows12"])
+def test_fused_deterministic(twin, name):
+    """Two runs (two compilations in JAX) give the same bits of every output, in both dZ plans."""
+    _, dtype, h, chunk_rows = CHUNKING[name]
+    case = _chunking_case(dtype, h)
+    inp = make_inputs(case)
+    first = twin.run(inp, case.options(), chunk_rows=chunk_rows)
+    again = twin.run(inp, case.options(), chunk_rows=chunk_rows, fresh=True)
+    assert set(first) == set(again)
+    for key, v in first.items():
+        if v is None:
+            assert again[key] is None, key
+            continue
+        assert twin.dtype(v) == twin.dtype(again[key]), key
+        assert np.array_equal(twin.bits(v), twin.bits(again[key])), key

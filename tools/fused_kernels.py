@@ -1,0 +1,143 @@
+"""The fused engine's kernels on the GPU, one call: every GemmConfig variant of the logits GEMM with its
+statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile values and partials), against
+cuBLAS / XLA's plain logits GEMM; then tile_dlogits. A development tool: its table guides GemmConfig.
+
+Usage (GPU): python tools/fused_kernels.py OUT_DIR [N,H,V ...]
+"""
+import dataclasses
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+import jax
+import jax.numpy as jnp
+
+from fce_core.config import GEMM, GRAD_GEMM
+from fce_core.heads import StatsSpec
+from fce_core.options import Transform
+from fce_jax.kernels import grad_gemms as jg
+from fce_jax.kernels import logit_tiles as jt
+from fce_torch.kernels import grad_gemms as tg
+from fce_torch.kernels import logit_tiles as tt
+
+VARIANTS = [dataclasses.replace(GEMM, **kw) for kw in ({}, dict(num_stages=4))]
+GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM, **kw) for kw in (
+    {}, dict(tile_n=256), dict(tile_n=256, num_stages=4))]
+
+
+def grad_rows(n, h, v, chunk=1024):
+    """dX and dW of one chunk (min(n, chunk) rows) with each GradGemmConfig variant, both twins."""
+    rows = []
+    m = min(n, chunk)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dz = (torch.randn(m, v, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
+    w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
+    x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
+    dzj, wj, xj = (jax.dlpack.from_dlpack(t) for t in (dz, w, x))
+    flop = 2 * m * h * v
+    rows.append(dict(shape=(m, h, v), impl="cublas dx / dw",
+                     ms=_time(lambda: torch.mm(dz, w)), ms_dw=_time(lambda: torch.mm(dz.t(), x))))
+    for cfg in GRAD_VARIANTS:
+        tag = f"grad {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
+        row = dict(shape=(m, h, v), cfg=tag)
+        try:
+            out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+            row["torch_ms"] = _time(lambda: tg.dx_gemm(dz, w, out, cfg=cfg))
+            row["torch_dw_ms"] = _time(lambda: tg.dw_gemm(dz, x, torch.bfloat16, cfg=cfg))
+            fdx = jax.jit(lambda a, b: jg.dx_gemm(a, b, jnp.bfloat16, cfg=cfg))
+            fdw = jax.jit(lambda a, b: jg.dw_gemm(a, b, jnp.bfloat16, cfg=cfg))
+            row["jax_ms"] = _time(lambda: fdx(dzj, wj).block_until_ready())
+            row["jax_dw_ms"] = _time(lambda: fdw(dzj, xj).block_until_ready())
+            row["bits_dx"] = bool(np.array_equal(_bits(tg.dx_gemm(dz, w, out, cfg=cfg)), _bits(fdx(dzj, wj))))
+            row["bits_dw"] = bool(np.array_equal(_bits(tg.dw_gemm(dz, x, torch.bfloat16, cfg=cfg)),
+                                                 _bits(fdw(dzj, xj))))
+            row["tflops_dx"] = flop / row["torch_ms"] / 1e9
+            row["tflops_dw"] = flop / row["torch_dw_ms"] / 1e9
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _time(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return float(np.median(out)) * 1e3
+
+
+def _bits(a):
+    a = np.asarray(a.detach().cpu().float() if isinstance(a, torch.Tensor) else np.asarray(a, np.float32))
+    return a.view(np.uint32)
+
+
+def main():
+    out_dir, shapes = sys.argv[1], [tuple(int(v) for v in s.split(",")) for s in sys.argv[2:]] or [
+        (4096, 4096, 128256), (256, 4096, 128256), (8192, 640, 262144)]
+    rows = []
+    for n, h, v in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
+        y = torch.randint(0, v, (n,), device="cuda", generator=g)
+        xj, wj, yj = (jax.dlpack.from_dlpack(t) for t in (x, w, y.to(torch.int32)))
+        flop = 2 * n * h * v
+        ms = _time(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))
+        rows.append(dict(shape=(n, h, v), impl="cublas_f32_out", ms=ms, tflops=flop / ms / 1e9))
+        xla = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                       preferred_element_type=jnp.float32))
+        ms = _time(lambda: xla(xj, wj).block_until_ready())
+        rows.append(dict(shape=(n, h, v), impl="xla_f32_out", ms=ms, tflops=flop / ms / 1e9))
+        for cfg in VARIANTS:
+            tag = f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
+            kw = dict(spec=StatsSpec(), transform=Transform(), cfg=cfg)
+            row = dict(shape=(n, h, v), cfg=tag)
+            try:
+                run_t = lambda: tt.logit_tiles(x, w, None, y, None, precision="ieee", **kw)  # noqa: E731
+                row["torch_ms"] = _time(run_t)
+                e_t, p_t = run_t()
+                fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, None, c, None, precision=None, **kw))
+                row["jax_ms"] = _time(lambda: jax.block_until_ready(fj(xj, wj, yj)))
+                e_j, p_j = fj(xj, wj, yj)
+                row["tflops_torch"] = flop / row["torch_ms"] / 1e9
+                row["tflops_jax"] = flop / row["jax_ms"] / 1e9
+                row["bits_e"] = bool(np.array_equal(_bits(e_t), _bits(e_j)))
+                row["bits_parts"] = {k: bool(np.array_equal(_bits(p_t[k]) if k != "amax" else p_t[k].cpu().numpy(),
+                                                           _bits(p_j[k]) if k != "amax" else np.asarray(p_j[k])))
+                                     for k in p_t}
+            except Exception as exc:  # noqa: BLE001  (a variant that does not compile is reported)
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        grads = grad_rows(n, h, v)
+        rows += grads
+    with open(f"{out_dir}/fused_kernels.json", "w") as f:
+        json.dump(rows, f, indent=1)
+    print("\n| N,H,V | variant | torch ms | jax ms | torch TF/s | jax TF/s | bits e | bits parts |")
+    for r in rows:
+        if "impl" in r and "ms_dw" in r:
+            print(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} / {r['ms_dw']:.3f} | | | | | |")
+        elif r.get("cfg", "").startswith("grad") and "error" not in r:
+            print(f"| {r['shape']} | {r['cfg']} | dx {r['torch_ms']:.3f} dw {r['torch_dw_ms']:.3f} | dx "
+                  f"{r['jax_ms']:.3f} dw {r['jax_dw_ms']:.3f} | {r['tflops_dx']:.0f} / {r['tflops_dw']:.0f} | | "
+                  f"{r['bits_dx']} | {r['bits_dw']} |")
+        elif "cfg" not in r:
+            print(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} | | {r['tflops']:.0f} | | | |")
+        elif "error" in r:
+            print(f"| {r['shape']} | {r['cfg']} | error: {r['error'][:120]} |")
+        else:
+            print(f"| {r['shape']} | {r['cfg']} | {r['torch_ms']:.3f} | {r['jax_ms']:.3f} | {r['tflops_torch']:.0f} | "
+                  f"{r['tflops_jax']:.0f} | {r['bits_e']} | {all(r['bits_parts'].values())} {r['bits_parts']} |")
+
+
+if __name__ == "__main__":
+    main()
