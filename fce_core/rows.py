@@ -12,10 +12,16 @@ def valid_first(xp, y, ignore_index):
     return pos, xp.invert_permutation(pos), n_valid
 
 
+def safe_targets(xp, y, vocab):
+    """The targets with every one outside [0, vocab) replaced by 0, for reading a row's target column (the
+    row's loss is masked, or NaN when y is not ignore_index)."""
+    return xp.where((y >= 0) & (y < vocab), y, 0)
+
+
 def target_logits(xp, z, y, bias):
     """The raw target logit of each row of the float32 logits z (bias added); a row whose y is outside
-    [0, V) reads column 0 (its loss is masked, or NaN when y is not ignore_index)."""
-    safe = xp.where((y >= 0) & (y < z.shape[1]), y, 0)
+    [0, V) reads column 0 (`safe_targets`)."""
+    safe = safe_targets(xp, y, z.shape[1])
     r_y = xp.take_rows(z, safe)
     return r_y if bias is None else r_y + xp.f32(bias[safe])
 
@@ -29,7 +35,7 @@ def reduction_scalars(xp, y, class_weights, ignore_index, vocab, normalizer=None
     if class_weights is None:
         w_y, counts, w_sum = None, xp.stack([n, n]), xp.full_like(n, float(vocab))
     else:
-        w_y = xp.where(valid, class_weights[xp.where((y >= 0) & (y < vocab), y, 0)], 0.0)
+        w_y = xp.where(valid, class_weights[safe_targets(xp, y, vocab)], 0.0)
         counts, w_sum = xp.stack([xp.pairwise_sum(w_y), n]), xp.pairwise_sum(class_weights)
     if normalizer is not None:
         counts = xp.f32(normalizer)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fce_core.rows import target_logits, tile_weights
+from fce_core.rows import safe_targets, target_logits, tile_weights
 from fce_core.rows import valid_first as valid_first_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 from fce_core.plan import layout
@@ -113,10 +113,10 @@ class _Sweep:
         the input dtype, not written without gradients) and dZ overwrites them."""
         y, vocab = inputs["y"], self.w.shape[0]
         need = any(self.grads)
-        into = acc if self.keep else None
-        e, parts = logit_tiles(x_c, self.w, self.bias, jnp.where((y >= 0) & (y < vocab), y, 0), self.class_weights,
+        into, row0 = (acc, r0) if self.keep else (None, 0)
+        e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, y, vocab), self.class_weights,
                                spec=self.head.stats, transform=self.transform, precision=gemm.pallas_precision(x_c),
-                               into=into, row0=r0 if self.keep else 0, store=need)
+                               into=into, row0=row0, store=need)
         stats = merge_tiles(parts, vocab, self.tile_weights)
         out = self.head.fn(stats, inputs)
         rows = slice(r0, r0 + x_c.shape[0]) if self.keep else slice(None)
@@ -125,7 +125,7 @@ class _Sweep:
         if not need:
             return acc, out, None
         dz = tile_dlogits(e, parts["m"], y, stats["zy"], self.class_weights, out, transform=self.transform,
-                          row0=r0 if self.keep else 0)
+                          row0=row0)
         if trace is not None:
             trace["dlogits"] = dz[rows]
         if self.keep:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fce_core.rows import target_logits, tile_weights
+from fce_core.rows import safe_targets, target_logits, tile_weights
 from fce_core.rows import valid_first as valid_first_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 
@@ -188,7 +188,7 @@ class _FusedChunkRunner(_ChunkRunner):
 
     def __call__(self, x_c, inputs, add, dz_rows):
         y, vocab = inputs["y"], self.w.shape[0]
-        e, parts = logit_tiles(x_c, self.w, self.bias, torch.where((y >= 0) & (y < vocab), y, 0), self.cw,
+        e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, y, vocab), self.cw,
                                spec=self.head.stats, transform=self.transform, precision=gemm.triton_precision(x_c),
                                out=dz_rows, store=self.need_grads)
         stats = merge_tiles(parts, vocab, self.tile_weights)

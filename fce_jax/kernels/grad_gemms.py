@@ -86,19 +86,23 @@ def dx_gemm(dz, w, dtype, precision=None, cfg=None):
     (n, vocab), hidden = dz.shape, w.shape[1]
     cfg = cfg or _config()
     slices = dx_slices(n, hidden, vocab, cfg)
-    if slices == 1:
-        return _run(dz, w, n, hidden, vocab, a_t=False, mode=WRITE,
-                    outs=[jax.ShapeDtypeStruct((n, hidden), dtype)], precision=precision, cfg=cfg)
+    shape = (n, hidden) if slices == 1 else (slices, n, hidden)
     planes = _run(dz, w, n, hidden, vocab, a_t=False, mode=WRITE,
-                  outs=[jax.ShapeDtypeStruct((slices, n, hidden), F32)], precision=precision, slices=slices,
-                  cfg=cfg)
-    return pairwise_sum(jnp.transpose(planes, (1, 2, 0))).astype(dtype)
+                  outs=[jax.ShapeDtypeStruct(shape, dtype if slices == 1 else F32)], precision=precision,
+                  slices=slices, cfg=cfg)
+    return planes if slices == 1 else pairwise_sum(jnp.transpose(planes, (1, 2, 0))).astype(dtype)
+
+
+def _dz_t_x(dz, x, mode, outs, first=False, precision=None, cfg=None):
+    """dZᵀ @ x (dZ [n, V] contracted over its rows, x [n, H]) with the epilogue `mode`, into `outs`."""
+    return _run(dz, x, dz.shape[1], x.shape[1], dz.shape[0], a_t=True, mode=mode, outs=outs, first=first,
+                precision=precision, cfg=cfg)
 
 
 def dw_gemm(dz, x, dtype, precision=None, cfg=None):
     """dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`."""
-    return _run(dz, x, dz.shape[1], x.shape[1], dz.shape[0], a_t=True, mode=WRITE,
-                outs=[jax.ShapeDtypeStruct((dz.shape[1], x.shape[1]), dtype)], precision=precision, cfg=cfg)
+    return _dz_t_x(dz, x, WRITE, [jax.ShapeDtypeStruct((dz.shape[1], x.shape[1]), dtype)], precision=precision,
+                   cfg=cfg)
 
 
 def dw_first(dz, x, dtype, precision=None):
@@ -106,13 +110,11 @@ def dw_first(dz, x, dtype, precision=None):
     if dtype != jnp.bfloat16:
         return dw_gemm(dz, x, F32, precision)
     shape = jax.ShapeDtypeStruct((dz.shape[1], x.shape[1]), dtype)
-    return tuple(_run(dz, x, dz.shape[1], x.shape[1], dz.shape[0], a_t=True, mode=PAIR, outs=[shape, shape],
-                      first=True, precision=precision))
+    return tuple(_dz_t_x(dz, x, PAIR, [shape, shape], first=True, precision=precision))
 
 
 def dw_accumulate(dz, x, acc, precision=None):
     """acc + dZᵀ @ x, acc being `dw_first`'s (float32, or a (hi, lo) pair), in its buffers."""
     pair = isinstance(acc, tuple)
-    out = _run(dz, x, dz.shape[1], x.shape[1], dz.shape[0], a_t=True, mode=PAIR if pair else ADD,
-               outs=list(acc) if pair else [acc], precision=precision)
+    out = _dz_t_x(dz, x, PAIR if pair else ADD, list(acc) if pair else [acc], precision=precision)
     return tuple(out) if pair else out

@@ -88,21 +88,22 @@ def dx_gemm(dz, w, out, precision="ieee", cfg=None):
     (n, vocab), hidden = dz.shape, w.shape[1]
     cfg = cfg or _config()
     slices = dx_slices(n, hidden, vocab, cfg)
-    if slices == 1:
-        _run(dz, (dz.stride(0), 1), w, (w.stride(0), 1), out, None, n, hidden, vocab, WRITE, precision=precision,
-             cfg=cfg)
-        return out
-    planes = torch.empty(slices, n, hidden, device=dz.device, dtype=F32)
+    planes = out if slices == 1 else torch.empty(slices, n, hidden, device=dz.device, dtype=F32)
     _run(dz, (dz.stride(0), 1), w, (w.stride(0), 1), planes, None, n, hidden, vocab, WRITE, precision=precision,
          slices=slices, cfg=cfg)
-    return out.copy_(pairwise_sum(planes.permute(1, 2, 0)))
+    return out if slices == 1 else out.copy_(pairwise_sum(planes.permute(1, 2, 0)))
+
+
+def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None):
+    """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`."""
+    _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), c, lo, dz.shape[1], x.shape[1], dz.shape[0], mode,
+         first=first, precision=precision, cfg=cfg)
 
 
 def dw_gemm(dz, x, dtype, precision="ieee", cfg=None):
     """A new [V, H] dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`."""
     out = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
-    _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), out, None, dz.shape[1], x.shape[1], dz.shape[0], WRITE,
-         precision=precision, cfg=cfg)
+    _dz_t_x(dz, x, out, None, WRITE, precision=precision, cfg=cfg)
     return out
 
 
@@ -110,12 +111,9 @@ def dw_accumulate(dz, x, acc, precision="ieee"):
     """acc += dZᵀ @ x in place, acc being `dw_first`'s: a float32 [V, H] tensor or a (hi, lo) pair.
     Returns acc."""
     if isinstance(acc, tuple):
-        hi, lo = acc
-        _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), hi, lo, dz.shape[1], x.shape[1], dz.shape[0], PAIR,
-             precision=precision)
-        return acc
-    _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), acc, None, dz.shape[1], x.shape[1], dz.shape[0], ADD,
-         precision=precision)
+        _dz_t_x(dz, x, *acc, PAIR, precision=precision)
+    else:
+        _dz_t_x(dz, x, acc, None, ADD, precision=precision)
     return acc
 
 
@@ -125,6 +123,5 @@ def dw_first(dz, x, dtype, precision="ieee"):
         return dw_gemm(dz, x, F32, precision)
     hi = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
     lo = torch.empty_like(hi)
-    _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), hi, lo, dz.shape[1], x.shape[1], dz.shape[0], PAIR,
-         first=True, precision=precision)
+    _dz_t_x(dz, x, hi, lo, PAIR, first=True, precision=precision)
     return hi, lo

@@ -132,7 +132,7 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
     n, hidden = x.shape
     V = w.shape[0]
     n_tiles = triton.cdiv(V, cfg.tile_n)
-    e = out if out is not None or not store else x.new_empty((n, V))
+    e = out if out is not None else x.new_empty((n, V)) if store else None
     parts = {k: x.new_empty((n, n_tiles), dtype=torch.int32 if k == "amax" else F32)
              for k, on in (("m", 1), ("s", 1), ("amax", 1), ("zy", 1), ("q", spec.q), ("pz", spec.pz)) if on}
     if n == 0:
@@ -159,7 +159,7 @@ def merge_tiles(parts, vocab, tile_weights=None, cfg=None):
     tile_n = gemm_config(cfg).tile_n
     m_t = parts["m"]
     n, n_tiles = m_t.shape
-    big = m_t.amax(dim=1) if n_tiles else m_t.new_zeros(n)
+    big = m_t.amax(dim=1)
     first = (m_t == big[:, None]).to(torch.int8).argmax(dim=1, keepdim=True)
     stats = {"m": big, "zy": parts["zy"].amax(dim=1), "amax": parts["amax"].gather(1, first)[:, 0]}
     units = {k: torch.empty_like(m_t) for k in ("s", "q", "pz") if k in parts}
