@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--profile", action="store_true",
                      help="also run a body_only ablation (no LM head, no loss) per framework and profile each "
                           "torch run's kernels by category (GEMM, attention, loss, optimizer, other)")
+    sft.add_argument("--model", action="append", metavar="NAME",
+                     help="run this model of bench.sft.MODELS (repeatable; default: all)")
     sub.add_parser("cpo", parents=[common], help="the fused linear CPO preference loss")
     sub.add_parser("logprobs", parents=[common], help="per-token log-probs and entropy, forward+backward")
     return parser
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.bench == "sft":
         from bench import sft as mod
 
-        result = mod.run(settings, progress, profile=args.profile)
+        result = mod.run(settings, progress, profile=args.profile, models=args.model)
     elif args.bench == "logprobs":
         from bench import logprobs as mod
 

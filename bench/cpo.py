@@ -14,7 +14,7 @@ from bench import impls_torch, report
 from bench.common import Progress, Settings, implementations, meta, rel_diff, run_cell
 from bench.timing import free_torch_cache, measure_jax, measure_torch
 
-PAIRS, T, H, V = (2, 4, 8), 1024, 4096, 128256
+PAIRS, T, H, V = (1, 2, 4, 8), 1024, 4096, 128256
 SMOKE_PAIRS, SMOKE_T, SMOKE_H, SMOKE_V = (1, 2), 16, 32, 500
 BETA, ALPHA = 0.1, 1.0
 INPUT_SETS = 2

@@ -5,10 +5,11 @@ random batch, forward + backward + ``torch.optim.AdamW`` for ``STEPS`` steps, ea
 - ``hf_stock``:  ``model(input_ids, labels=input_ids).loss`` (bf16 logits, upcast, ``F.cross_entropy``);
 - ``liger``:     the decoder's hidden states into ``LigerForCausalLMLoss``, the call Liger's patched
                  ``forward`` makes (done directly, so no class is monkey-patched for the runs after it);
-- ``fce_torch``: the model patched by ``fce_torch.hf.patch(model)``, then ``model(input_ids, labels=...)``.
+- ``fce_torch``: the model patched by ``fce_torch.hf.patch(model)``, then ``model(input_ids, labels=...)``;
+  ``fce_torch_fused``: the same with ``engine="fused"``.
 JAX: the same architecture in ``bench.llama_jax`` with a plain full-logits loss (``jax_naive``: bf16 logits,
 as HF does; ``jax_f32_logits``: float32 logits, the precision fce keeps, to tell a logits-precision drift of
-the curve from an error) vs ``fce_jax``.
+the curve from an error) vs ``fce_jax`` (and ``fce_jax_fused``, ``engine="fused"``). ``--model`` picks models.
 
 Per run: median step time after ``WARM`` steps (tokens/s), peak memory (torch: ``max_memory_allocated`` over
 the run, weights and optimizer included; JAX: the compiled step's arguments + outputs - aliased + temp), the
@@ -32,6 +33,7 @@ The captures go into the result's ``profile`` list, and a ``Profile`` section in
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -49,6 +51,11 @@ MODELS = {
     "llama-3.2-1b": dict(arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                          rope_theta=5e5, rms_norm_eps=1e-5),
+    # Gemma-3-270M's shapes (tied, V=262144, H=640) in the Llama architecture: its LM head and loss are
+    # the largest share of a step among the models here.
+    "gemma-3-270m-shaped": dict(arch="llama", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                                num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                rope_theta=1e6, rms_norm_eps=1e-6),
 }
 _TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6)
@@ -110,8 +117,8 @@ def _liger(model):
     return loss
 
 
-def _fce(model):
-    guarded_import("fce_torch.hf", "patch")(model)  # in place: this instance's forward only
+def _fce(model, engine="library"):
+    guarded_import("fce_torch.hf", "patch")(model, engine=engine)  # in place: this instance's forward only
     return lambda ids: model(input_ids=ids, labels=ids).loss
 
 
@@ -120,8 +127,9 @@ def _body(model):
     return lambda ids: model.model(input_ids=ids).last_hidden_state.float().square().mean()
 
 
-TORCH = {"hf_stock": _stock, "liger": _liger, "fce_torch": _fce}
-JAX = ("jax_naive", "jax_f32_logits", "fce_jax")
+TORCH = {"hf_stock": _stock, "liger": _liger, "fce_torch": _fce,
+         "fce_torch_fused": functools.partial(_fce, engine="fused")}
+JAX = ("jax_naive", "jax_f32_logits", "fce_jax", "fce_jax_fused")
 
 
 def _torch_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Settings,
@@ -173,8 +181,9 @@ def _jax_loss(cfg, impl: str, attention: str):
     if impl == ABLATION:
         return lambda params, ids: jnp.mean(jnp.square(
             llama_jax.hidden_states(params, ids, cfg, attention).astype(jnp.float32)))
-    if impl == "fce_jax":
-        lce = guarded_import("fce_jax", "fused_lce")
+    if impl in ("fce_jax", "fce_jax_fused"):
+        lce = functools.partial(guarded_import("fce_jax", "fused_lce"),
+                                engine="fused" if impl == "fce_jax_fused" else "library")
     else:
         lce = llama_jax.plain_lce_f32 if impl == "jax_f32_logits" else llama_jax.plain_lce
     return llama_jax.lm_loss(cfg, lce, attention)
@@ -323,8 +332,13 @@ def _profile_torch(rows: list[dict], models: dict, shape: tuple, settings: Setti
     return captures
 
 
-def run(settings: Settings, progress: Progress, profile: bool = False) -> dict:
-    models = SMOKE_MODELS if settings.smoke else MODELS
+def run(settings: Settings, progress: Progress, profile: bool = False, models: list[str] | None = None) -> dict:
+    """The steps of every implementation on each model (`models`: names of MODELS, default all)."""
+    catalog = SMOKE_MODELS if settings.smoke else MODELS
+    unknown = sorted(set(models or ()) - set(catalog))
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; known: {sorted(catalog)}")
+    models = {name: spec for name, spec in catalog.items() if not models or name in models}
     shape = (SMOKE_BATCH, SMOKE_SEQ, SMOKE_STEPS, SMOKE_WARM) if settings.smoke else (BATCH, SEQ, STEPS, WARM)
     batch, seq, steps, warm = shape
     notes: dict[str, str] = {}

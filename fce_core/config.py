@@ -2,8 +2,10 @@
 
 A field whose value changes the bits of a result is listed in its class's ``NUMERICS`` (for instance the width
 of the per-row partial accumulators, whose fixed pairwise sum gives a row's sum of exponentials); the other
-fields only change speed. Both twins read the same instances, so their kernels agree by construction.
+fields only change speed. Both twins read the same instances, so their kernels agree by construction; the one
+exception, GRAD_GEMM_TORCH, differs from GRAD_GEMM in speed fields only (a test asserts it).
 """
+import dataclasses
 from dataclasses import dataclass
 
 LOG2E = 1.4426950408889634
@@ -29,9 +31,21 @@ class RowPassConfig:
 @dataclass(frozen=True)
 class BlockConfig:
     """An elementwise kernel (the heads and the vocab-parallel merge over rows, the gradient scaling over a
-    flat array): elements per program and warps, speed only."""
+    flat array): elements per program and warps, speed only; `max_programs` > 0 caps the programs of a
+    kernel that loops over its blocks."""
     NUMERICS = ()
     block: int
+    num_warps: int = 4
+    max_programs: int = 0
+
+
+@dataclass(frozen=True)
+class PairwiseConfig:
+    """fce_torch's `pairwise_sum` kernel: columns per tree level (a power of two) and elements per program.
+    The tree is the same for every value (aligned blocks of a pairwise tree are its subtrees): speed only."""
+    NUMERICS = ()
+    block_cols: int = 1024
+    block: int = 4096
     num_warps: int = 4
 
 
@@ -49,29 +63,39 @@ class GemmConfig:
     """The logits GEMM of the fused engine (engine="fused"): one program per (tile_m rows, tile_n columns)
     output tile, K ascending in steps of tile_k. `tile_n` decides bits: it sets the per-(row, tile) partials
     that the merge then adds in a fixed order. The K order (ascending, never split) is the same for every
-    tile_k, so tile_k, tile_m and the launch fields only change speed."""
+    tile_k, so tile_k, tile_m and the launch fields only change speed. `tma` (operands loaded by the tensor
+    memory accelerator where their strides allow) and `persistent` (one program per multiprocessor, looping
+    over the tiles) apply to fce_torch's Triton kernels: the Pallas Triton lowering has neither; speed only."""
     NUMERICS = ("tile_n",)
     tile_m: int = 128
     tile_n: int = 256   # a power of two (the partial sums' tree)
     tile_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = True
+    persistent: bool = True
 
 
 @dataclass(frozen=True)
 class GradGemmConfig:
     """The fused engine's dX = dZ W and dW (+)= dZᵀ X GEMMs: output tiles, K ascending in steps of tile_k.
-    The tiles do not decide bits (the same K order for every tiling). dX (K = V) of few output tiles is split
-    over V into `fce_core.plan.dx_slices` slices, float32 partials summed in a fixed pairwise order: the
-    fields that set that count decide bits."""
-    NUMERICS = ("target_programs", "max_slices", "tile_m", "tile_n")
+    dX (K = V) of few output tiles is split over V into `fce_core.plan.dx_slices` slices of whole tile_k
+    steps, float32 partials summed in a fixed pairwise order. The slice count comes from the tile grid
+    `split_m` x `split_n`, not from the launch tiles, so the NUMERICS fields (which set the slices) are the
+    twins' common ground while the launch fields (tile_m, tile_n, warps, stages, `tma`, `persistent`: as in
+    GemmConfig) may differ per twin: with the same K order, every tiling gives the same bits."""
+    NUMERICS = ("split_m", "split_n", "tile_k", "target_programs", "max_slices")
+    split_m: int = 128
+    split_n: int = 128
+    tile_k: int = 64
+    target_programs: int = 264   # split dX over V until about this many programs run
+    max_slices: int = 8          # each slice is a float32 [rows, H] plane next to the chunk's tile values
     tile_m: int = 128
     tile_n: int = 128
-    tile_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    target_programs: int = 264   # split dX over V until about this many programs run
-    max_slices: int = 16
+    tma: bool = False
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,11 +114,20 @@ ROW_PASS = RowPassConfig()
 ROW_PASS_INTERPRETER = RowPassConfig(block_rows=64)
 HEAD = BlockConfig(block=1024)
 PAIRS = PairConfig()
-GRAD_SCALE = BlockConfig(block=4096, num_warps=8)
+PAIRWISE = PairwiseConfig()
+# In place, g = 1 skips the pass: a few programs then cost a launch, not one per block of dW.
+GRAD_SCALE = BlockConfig(block=4096, num_warps=8, max_programs=1024)
 GEMM = GemmConfig()
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
 GRAD_GEMM = GradGemmConfig()
-GRAD_GEMM_INTERPRETER = GradGemmConfig(tile_m=16, tile_n=16, tile_k=16, num_warps=4, num_stages=1)
+# fce_torch's launch of the same GEMMs (NUMERICS as GRAD_GEMM): TMA loads and wider persistent tiles, faster in
+# Triton (tools/fused_kernels.py); the JAX twin's fused engine was slower on 128x256 tiles at N >= 16384 and at
+# H = 640 (bench/results/nvidia-h200/engine-tma/op-both-twins-128x256/), so it keeps GRAD_GEMM's.
+GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persistent=True)
+GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
+                                       num_stages=1)
+# Other launch tiles than the JAX twin's in the CPU tests too: the twins' bits must not depend on them.
+GRAD_GEMM_INTERPRETER_TORCH = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_n=32, tma=True, persistent=True)
 TILE_ROWS = BlockConfig(block=16)  # rows per program of the tiled dlogits and merge kernels (speed only)
 BUDGET = BudgetConfig()

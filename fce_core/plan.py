@@ -131,7 +131,8 @@ def pair_order(n_pairs: int, seq_len: int, plan: Plan) -> list[int] | None:
 def dx_slices(n_rows: int, hidden: int, vocab: int, cfg: GradGemmConfig = GRAD_GEMM) -> int:
     """Slices of V of the fused engine's dX = dZ W (K = V) for n_rows rows: 1 when the output tiles alone
     give about `cfg.target_programs` programs, else enough for that, at most `cfg.max_slices`, each slice
-    at least 8 K steps long. Both twins take it from here: it decides the bits of dX."""
-    tiles = -(-n_rows // cfg.tile_m) * -(-hidden // cfg.tile_n)
+    at least 8 K steps long, counting output tiles on the `cfg.split_m` x `cfg.split_n` grid (not the launch
+    tiles, which may differ between the twins). Both twins take it from here: it decides the bits of dX."""
+    tiles = -(-n_rows // cfg.split_m) * -(-hidden // cfg.split_n)
     by_length = max(1, vocab // (8 * cfg.tile_k))
     return max(1, min(cfg.max_slices, by_length, cfg.target_programs // max(tiles, 1)))

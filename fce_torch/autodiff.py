@@ -4,7 +4,9 @@ that autograd, ``torch.compile`` (``fullgraph=True``, no graph break) and CUDA g
 Two shapes of autograd, as in fce_jax/autodiff.py:
 - *precomputed* (`register_precomputed`): the forward sweep of a scalar loss also computes dX, dW, db and the
   op returns them as its last outputs (empty when not asked for); the backward only scales them by the
-  cotangent (`scaled_grad`, one rounding, a new tensor, so a second backward starts from the same values);
+  cotangent, one rounding (`backward_grad`): in place when no later backward can read them (autograd then
+  takes the tensor as `.grad` itself, so no second dW-sized buffer exists), else into a new tensor
+  (`scaled_grad`, so a second backward(retain_graph=True) starts from the same values);
 - *recompute* (`register_recompute`): the forward computes the outputs only; the backward calls a gradient op
   that sweeps again with the cotangents of the outputs, row by row.
 
@@ -13,7 +15,8 @@ same kernels), and only op bodies synchronize with the host (the optional target
 """
 import torch
 
-from .kernels.grad_scale import as_grad
+from .kernels.grad_scale import as_grad, scale_in_place
+from .sums import traced
 
 F32 = torch.float32
 
@@ -28,6 +31,21 @@ def scaled_grad(grad: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torc
 @scaled_grad.register_fake
 def _(grad, g, dtype):
     return grad.new_empty(grad.shape, dtype=dtype)
+
+
+def _graph_kept(grad):
+    """Whether the running backward keeps its graph (retain_graph=True), so the saved tensors are read again.
+    Under tracing (torch.compile) the answer is unknown and taken as yes."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return traced(grad) or keep is None or keep()
+
+
+def backward_grad(grad, g, dtype):
+    """The gradient a precomputed op's backward hands to autograd: dtype(float32(grad) * g), the saved
+    `grad` scaled in place when it has the dtype and no later backward can read it, else a new tensor."""
+    if grad.dtype == dtype and grad.is_contiguous() and not _graph_kept(grad):
+        return scale_in_place(grad, g)
+    return scaled_grad(grad, g, dtype)
 
 
 def absent(like):
@@ -55,7 +73,7 @@ def register_precomputed(op, n_outputs):
     def backward(ctx, g_loss, *unused):
         saved = ctx.saved_tensors
         g = torch.zeros((), device=saved[0].device, dtype=F32) if g_loss is None else g_loss.to(F32)
-        grads = [scaled_grad(t, g, dt) if _present(t, shape) else None
+        grads = [backward_grad(t, g, dt) if _present(t, shape) else None
                  for t, shape, dt in zip(saved, ctx.shapes, ctx.dtypes)]
         return (*grads, *([None] * (ctx.n_inputs - 3)))
 

@@ -198,6 +198,7 @@ class _FusedChunkRunner(_ChunkRunner):
             trace["tiles"] = e.clone()
         if self.need_grads:
             tile_dlogits(e, parts["m"], y, stats["zy"], self.cw, out, transform=self.transform)
+            del parts, stats  # the [rows, tiles] partials are free before the dX planes and dW take memory
             if trace is not None:
                 trace["dlogits"] = e.clone()
             if add is not None:

@@ -53,6 +53,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from fce_core.options import ENGINES
+
 from .api import fused_lce
 
 __all__ = ["patch", "unpatch", "is_patched", "VERIFIED_MODEL_TYPES"]
@@ -73,7 +75,7 @@ def is_patched(model) -> bool:
     return hasattr(model.__dict__.get("forward"), _MARK)
 
 
-def patch(model, *, strict: bool = True, validate: bool = True, chunk_rows=None):
+def patch(model, *, strict: bool = True, validate: bool = True, chunk_rows=None, engine: str = "library"):
     """Make ``model`` compute its ``labels`` loss with `fused_lce` (in place); returns ``model``.
 
     Args:
@@ -83,9 +85,12 @@ def patch(model, *, strict: bool = True, validate: bool = True, chunk_rows=None)
             model of that structure is accepted, on the caller's word that its forward is the standard one.
         validate: passed to `fused_lce` (checks that labels are in ``[0, V)`` or ignored; one host sync).
         chunk_rows: passed to `fused_lce`.
+        engine: passed to `fused_lce` ("library" or "fused"; ValueError for another).
 
     Patching twice is a no-op. The loss semantics are described in the module docstring.
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if is_patched(model):
         return model
     config = getattr(model, "config", None)
@@ -111,10 +116,11 @@ def patch(model, *, strict: bool = True, validate: bool = True, chunk_rows=None)
     signature = inspect.signature(type(model).forward)
 
     output = _causal_output()
+    loss_options = dict(validate=validate, chunk_rows=chunk_rows, engine=engine)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        return _forward(model, original, signature, validate, chunk_rows, output, args, kwargs)
+        return _forward(model, original, signature, loss_options, output, args, kwargs)
 
     setattr(forward, _MARK, (had_instance_forward, model.__dict__.get("forward")))
     model.forward = forward
@@ -167,7 +173,7 @@ def _wrapped_chain(fn):
         seen += 1
 
 
-def _forward(model, original, signature, validate, chunk_rows, output, args, kwargs):
+def _forward(model, original, signature, loss_options, output, args, kwargs):
     try:
         bound = signature.bind(model, *args, **kwargs)
     except TypeError:
@@ -208,8 +214,7 @@ def _forward(model, original, signature, validate, chunk_rows, output, args, kwa
                          f"(hidden states {tuple(hidden.shape)}, logits_to_keep={logits_to_keep!r})")
     loss_fn = functools.partial(_head_loss, targets=targets, ignore_index=ignore_index,
                                 reduction="mean" if num_items_in_batch is None else "sum",
-                                softcap=getattr(model.config, "final_logit_softcapping", None), validate=validate,
-                                chunk_rows=chunk_rows)
+                                softcap=getattr(model.config, "final_logit_softcapping", None), **loss_options)
     loss = head(x, fce_loss=loss_fn)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
@@ -247,12 +252,13 @@ def _same_fsdp_group(a, b):
     return _is_fsdp(b) and fully_shard.state(a) is fully_shard.state(b)
 
 
-def _head_loss(x, weight, bias, *, targets, ignore_index, reduction, softcap, validate, chunk_rows):
-    """The loss from the head's full weight (inside the head's call)."""
+def _head_loss(x, weight, bias, *, targets, ignore_index, reduction, softcap, **loss_options):
+    """The loss from the head's full weight (inside the head's call); `loss_options`: patch's validate,
+    chunk_rows and engine."""
     if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
         x = x.to(weight.dtype)
     return fused_lce(x, weight, targets, bias=bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
-                     validate=validate, chunk_rows=chunk_rows)
+                     **loss_options)
 
 
 def _slice(hidden, logits_to_keep):

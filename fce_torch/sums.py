@@ -1,12 +1,77 @@
-"""The fixed-order sum every float reduction of fce goes through. Twin: fce_jax/sums.py."""
+"""The fixed-order sum every float reduction of fce goes through. Twin: fce_jax/sums.py.
+
+In torch the tree runs as one Triton kernel per level of at most `PAIRWISE.block_cols` columns (one launch
+for the usual widths), not as log2(width) slicing adds: the slices cost a launch each, and at small shapes
+the host's launches, not the GPU, set the time (tools/profile_torch.py measures both). The adjacent-pairs
+tree of a width 2^a is the tree of its subtrees over aligned blocks of 2^b columns, so the blocked sum adds
+the same pairs in the same order. Under torch.compile tracing the slicing adds run instead (the compiler
+fuses them; same bits).
+"""
+import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from torch._subclasses.fake_tensor import is_fake
+
+from fce_core.config import PAIRWISE
 
 
-def pairwise_sum(x):
+def traced(t):
+    """Whether `t` is being traced (torch.compile's Dynamo, or AOTAutograd's fake / functional tensors), so
+    no kernel may run on it: only torch ops, or opaque custom ops."""
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
+@triton.jit
+def row_sum(v, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr):
+    """The sum over the W (a power of two) columns of v [BM, W] by the fixed pairwise tree of `pairwise_sum`
+    (adjacent columns first): each step adds pairs, a + b, so no compiler chooses the order (and no reduction
+    starts from +0, which would turn a sum of -0 into +0)."""
+    for i in tl.static_range(LOG2_W):
+        a, b = tl.split(tl.reshape(v, [BM, W >> (i + 1), 2]))
+        v = a + b
+    return tl.reshape(v, [BM])
+
+
+@triton.jit
+def _pairwise_sum_kernel(x_ptr, out_ptr, n_rows, n, s_row, s_col, n_out, BR: tl.constexpr, BW: tl.constexpr,
+                         LOG2_BW: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BW + tl.arange(0, BW)
+    rows64 = rows.to(tl.int64)
+    v = tl.load(x_ptr + rows64[:, None] * s_row + cols.to(tl.int64)[None, :] * s_col,
+                mask=(rows < n_rows)[:, None] & (cols < n)[None, :], other=0.0)
+    tl.store(out_ptr + rows64 * n_out + tl.program_id(1), row_sum(v, BR, BW, LOG2_BW), mask=rows < n_rows)
+
+
+def pairwise_sum(x, cfg=PAIRWISE):
     """Sum over the last axis by a fixed pairwise tree (zero-padded to a power of two): x[0::2] + x[1::2]."""
     n = x.shape[-1]
-    if n == 0:
-        return x.new_zeros(x.shape[:-1])
+    lead = x.shape[:-1]
+    if n == 0 or x.numel() == 0:
+        return x.new_zeros(lead)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"pairwise_sum sums floating-point arrays, got {x.dtype}")
+    if traced(x):
+        return sliced_sum(x)
+    v = x.reshape(-1, n)  # a view wherever the leading axes collapse (the dX planes' permutation does)
+    while n > 1:
+        width = min(1 << (n - 1).bit_length(), cfg.block_cols)
+        n_out = triton.cdiv(n, width)
+        rows = max(1, min(v.shape[0], cfg.block // width))
+        rows = 1 << (rows.bit_length() - 1)
+        out = torch.empty(v.shape[0], n_out, device=x.device, dtype=x.dtype)
+        _pairwise_sum_kernel[(triton.cdiv(v.shape[0], rows), n_out)](
+            v, out, v.shape[0], n, v.stride(0), v.stride(1), n_out, BR=rows, BW=width,
+            LOG2_BW=width.bit_length() - 1, num_warps=cfg.num_warps)
+        v, n = out, n_out
+    return v.reshape(lead) if v.shape[-1] == 1 else v[:, 0].reshape(lead)
+
+
+def sliced_sum(x):
+    """`pairwise_sum` by slicing adds, x[..., 0::2] + x[..., 1::2] (for the compiler to trace and fuse)."""
+    n = x.shape[-1]
     width = 1 << (n - 1).bit_length()
     if width != n:
         x = F.pad(x, (0, width - n))

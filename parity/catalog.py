@@ -96,6 +96,8 @@ def gpu_cases() -> list[Case]:
             Case("fused_bf16_8k_896_152k_half_ignored", (8192,), 896, 151936, "bfloat16", ignore_frac=0.5,
                  **fused, seed=210),
             Case("fused_bf16_16k_2048_128k_mean", (16384,), 2048, 128256, "bfloat16", **fused, seed=211),
+            # Gemma-3-270M's head: dX over V in the most slices (few output tiles at H=640)
+            Case("fused_bf16_8k_640_262k_mean", (8192,), 640, 262144, "bfloat16", **fused, seed=212),
             Case("fused_f32_1k_1k_32k_mean", **f, **fused, seed=300)]
     out += [Case("f32_1k_1k_32k_mean", **f, seed=300),
             Case("f32_1k_1k_32k_large_logits", **f, logit_scale=50.0, seed=301),

@@ -1,18 +1,20 @@
 """fce_torch.fused_lce behaviour that only torch has (SPEC §1, §2): the torch.no_grad() loss-only path, no
-[N, V] buffer, repeated backward(retain_graph=True) with a grad_output, autocast, and the Liger drop-in
-`FusedLinearCrossEntropyLoss`. Everything else is checked for both twins in test_flce.py; that the bits do not
-depend on ``validate`` is in test_plan.py."""
+[N, V] buffer, repeated backward(retain_graph=True) with a grad_output, the last backward's in-place scaling,
+autocast, and the Liger drop-in `FusedLinearCrossEntropyLoss`. Everything else is checked for both twins in
+test_flce.py; that the bits do not depend on ``validate`` is in test_plan.py."""
 
 import math
 
 import pytest
 import torch
 
+import fce_torch.autodiff
 import fce_torch.cce
 import fce_torch.engine
 import fce_torch.gemm
 import fce_torch.liger
 from fce_torch import FusedLinearCrossEntropyLoss, fused_lce
+from fce_torch.kernels.grad_scale import scale_in_place
 from helpers import assert_close_to_reference, restrict_lse, targets_avoiding
 from parity.cases import IGNORE_INDEX, Case, make_inputs
 from parity.reference import flce_reference, rel_err
@@ -118,6 +120,36 @@ def test_repeated_backward_no_compounding(reduction):
         assert torch.equal(t.grad, a + a)
     out = {"loss": loss.detach(), "dx": first[0], "dw": first[1], "db": first[2]}
     check_flce(case, inp, out, grad_output=2.5)
+
+
+@pytest.mark.parametrize("g_out", [2.5, 1.0])
+def test_last_backward_scales_in_place(g_out, monkeypatch):
+    """A backward that frees the graph scales the forward's gradients in place and autograd keeps those very
+    buffers as .grad (no second dW-sized buffer): the same bits as a retained backward's new tensors. (db
+    stays a new tensor: the forward keeps it as float32 for a bfloat16 bias.)"""
+    buffers = []
+
+    def spy(grad, g):
+        buffers.append(grad.data_ptr())
+        return scale_in_place(grad, g)
+
+    monkeypatch.setattr(fce_torch.autodiff, "scale_in_place", spy)
+    case = Case("in_place", (2, 9), 32, 777, "bfloat16", bias=True, z_loss=1e-4, seed=41)
+    inp = make_inputs(case)
+    leaves = [inp[k].clone().requires_grad_(True) for k in ("x", "weight", "bias")]
+    loss = fused_lce(leaves[0], leaves[1], inp["targets"], bias=leaves[2], chunk_rows=8, **case.options())
+    g = torch.full_like(loss, g_out)
+    loss.backward(g, retain_graph=True)
+    assert not buffers
+    retained = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    loss.backward(g)
+    assert sorted(buffers) == sorted(t.grad.data_ptr() for t in leaves[:2])
+    for t, r in zip(leaves, retained):
+        assert torch.equal(t.grad, r)
+    check_flce(case, inp, {"loss": loss.detach(), "dx": retained[0], "dw": retained[1], "db": retained[2]},
+               grad_output=g_out)
 
 
 def test_autocast_bf16():

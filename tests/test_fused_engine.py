@@ -410,6 +410,60 @@ def test_logit_tiles_and_merge(k, name):
         _assert_within(got["pz"], ref["pz"], bound_pz, "pz")
 
 
+LAUNCHES = [dict(tma=t, persistent=p) for t in (False, True) for p in (False, True)] + [
+    dict(tile_m=32, tile_n=32, tma=True, persistent=True)]
+
+
+def test_twins_share_the_grad_gemm_numerics():
+    """fce_torch's dX/dW launch config may differ from the JAX twin's only in fields that cannot change bits:
+    every NUMERICS field (those setting dX's slices of V) is the same, on the GPU and in the interpreters."""
+    from fce_core import config
+
+    for torch_cfg, jax_cfg in ((config.GRAD_GEMM_TORCH, config.GRAD_GEMM),
+                               (config.GRAD_GEMM_INTERPRETER_TORCH, config.GRAD_GEMM_INTERPRETER)):
+        for field in config.GradGemmConfig.NUMERICS:
+            assert getattr(torch_cfg, field) == getattr(jax_cfg, field), field
+    assert config.GRAD_GEMM_INTERPRETER_TORCH.tile_n != config.GRAD_GEMM_INTERPRETER.tile_n
+
+
+@pytest.mark.parametrize("dtype, hidden", [("bfloat16", 48), ("float32", 20), ("bfloat16", 20)])
+def test_torch_launch_variants_same_bits(dtype, hidden):
+    """fce_torch's GEMMs with and without TMA operand loads, the persistent launch and other tiles (dX/dW):
+    the same bits for the logits GEMM's tile values and partials, dX over several V slices, and dW written,
+    accumulated in float32 and as the (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are not TMA-aligned:
+    pointer loads there."""
+    from fce_core.config import GRAD_GEMM_INTERPRETER
+    from fce_core.plan import dx_slices
+    from fce_torch.kernels import grad_gemms, logit_tiles
+    from fce_torch.kernels.tma import tma_ready
+
+    n, v = 37, 304   # rows of V values are TMA-aligned, V is not a multiple of the tile width
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(n, hidden, generator=g).to(dt), torch.randn(v, hidden, generator=g).to(dt)
+    dz = (torch.randn(n, v, generator=g) * 0.1).to(dt)
+    y = torch.randint(0, v, (n,), generator=g)
+    assert tma_ready(x, w, dz) == (hidden * dz.element_size() % 16 == 0)
+    assert dx_slices(n, hidden, v, GRAD_GEMM_INTERPRETER) > 1
+    precision = "ieee"
+    runs = []
+    for launch in LAUNCHES:
+        cfg = dataclasses.replace(GEMM_INTERPRETER, tma=launch["tma"], persistent=launch["persistent"])
+        grad_cfg = dataclasses.replace(GRAD_GEMM_INTERPRETER, **launch)
+        e, parts = logit_tiles.logit_tiles(x, w, None, y, None, spec=StatsSpec(q=True, pz=True),
+                                           transform=Transform(), precision=precision, cfg=cfg)
+        dx = grad_gemms.dx_gemm(dz, w, torch.empty_like(x), precision, cfg=grad_cfg)
+        acc = grad_gemms.dw_first(dz[:20], x[:20], dt, precision, cfg=grad_cfg)
+        acc = grad_gemms.dw_accumulate(dz[20:], x[20:], acc, precision, cfg=grad_cfg)
+        written = grad_gemms.dw_gemm(dz, x, dt, precision, cfg=grad_cfg)
+        runs.append([e, *parts.values(), dx, *(acc if isinstance(acc, tuple) else (acc,)), written])
+    want = (dz.double() @ w.double(), dz.double().T @ x.double())
+    assert float((runs[0][-1].double() - want[1]).abs().max()) <= 1e-2 * float(want[1].abs().max())
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
+
+
 @each_kernel_twin
 @pytest.mark.parametrize("name", list(TILE_CASES))
 def test_tile_dlogits(k, name):

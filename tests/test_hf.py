@@ -97,6 +97,23 @@ def test_matches_unpatched(arch, tied, device):
         assert model.config.final_logit_softcapping == 2.0
 
 
+def test_fused_engine_matches_unpatched(device):
+    """patch(model, engine="fused"): the loss and gradients of the unpatched model through the fused engine;
+    an unknown engine is refused when patching."""
+    model = build("llama", True, device)
+    ids, mask, labels = batch(device)
+    ref, ref_grads = loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    with pytest.raises(ValueError, match="engine"):
+        hf.patch(model, engine="cublas")
+    assert not hf.is_patched(model)
+    hf.patch(model, engine="fused")
+    try:
+        out, grads = loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    finally:
+        hf.unpatch(model)
+    assert_same(ref, ref_grads, out, grads)
+
+
 def test_keywords_shift_labels_logits_to_keep_ignore_index(device):
     model = build("llama", False, device)
     ids, mask, labels = batch(device)

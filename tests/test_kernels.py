@@ -619,6 +619,24 @@ def test_as_grad(k, dtype):
     assert tuple(empty.shape) == (0, 5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("g", [2.5, 1.0, 0.0])
+def test_scale_in_place(dtype, g):
+    """torch's in-place form (the last backward's): the bits of as_grad into the same buffer, also with
+    programs looping over several blocks; g = 1 leaves every bit as it was (the kernel skips its pass on the
+    device)."""
+    from fce_core.config import GRAD_SCALE, BlockConfig
+    from fce_torch.kernels.grad_scale import as_grad, scale_in_place
+    for cfg in (GRAD_SCALE, BlockConfig(block=64, max_programs=3)):
+        grad = _rand((37, 130), 99).to(getattr(torch, dtype))
+        grad[0, :3] = torch.tensor([1e-30, -0.0, 3e4])
+        want = as_grad(grad, grad.dtype, torch.tensor(g))
+        out = scale_in_place(grad, torch.tensor(g), cfg)
+        assert out is grad and out.data_ptr() == grad.data_ptr()
+        assert np.array_equal(as_float64(out), as_float64(want))
+    assert scale_in_place(torch.zeros(0, 5), torch.tensor(g)).shape == (0, 5)
+
+
 @each_twin
 def test_kept_weight_grad(k):
     """A float32 dW accumulator of a bfloat16 weight is rounded to bfloat16 (to nearest even); of a float16 or
@@ -644,6 +662,26 @@ def _tree_sum(x):
     while x.shape[-1] > 1:
         x = x[..., 0::2] + x[..., 1::2]
     return x[..., 0]
+
+
+@pytest.mark.parametrize("shape", [(1,), (5,), (3, 37), (2, 3, 300), (4, 64)], ids=str)
+def test_pairwise_sum_levels(shape):
+    """fce_torch's pairwise kernel over several levels (4 columns a level here), on a strided view (the dX
+    planes' permutation) and on negative zeros, and the slicing form traced under torch.compile: the tree's
+    bits exactly."""
+    from fce_core.config import PairwiseConfig
+    from fce_torch.sums import pairwise_sum, sliced_sum
+    cfg = PairwiseConfig(block_cols=4, block=16)
+    x = _rand(shape, 101) * torch.logspace(-3, 3, shape[-1])
+    assert np.array_equal(pairwise_sum(x, cfg).numpy(), _tree_sum(x.numpy()))
+    assert np.array_equal(sliced_sum(x).numpy(), _tree_sum(x.numpy()))    # the form torch.compile traces
+    planes = _rand((shape[-1], 3, 5), 102)
+    view = planes.permute(1, 2, 0)
+    assert np.array_equal(pairwise_sum(view, cfg).numpy(), _tree_sum(view.numpy()))
+    zeros = -torch.zeros(shape)
+    assert np.array_equal(pairwise_sum(zeros, cfg).numpy().view(np.uint32), _tree_sum(zeros.numpy()).view(np.uint32))
+    with pytest.raises(TypeError, match="floating"):
+        pairwise_sum(torch.ones(shape, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (1024,), (3, 1000), (2, 3, 37), (4, 0)], ids=str)

@@ -1,6 +1,7 @@
 """The fused engine's kernels on the GPU, one call: every GemmConfig variant of the logits GEMM with its
 statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile values and partials), against
-cuBLAS / XLA's plain logits GEMM; then tile_dlogits. A development tool: its table guides GemmConfig.
+cuBLAS / XLA's plain logits GEMM; then the dX and dW GEMMs. The launch variants (TMA loads, persistent
+programs) are fce_torch's; the JAX twin runs its one kernel for each, so each row's bits compare them. A development tool: its table guides GemmConfig.
 
 Usage (GPU): python tools/fused_kernels.py OUT_DIR [N,H,V ...]
 """
@@ -23,9 +24,18 @@ from fce_jax.kernels import logit_tiles as jt
 from fce_torch.kernels import grad_gemms as tg
 from fce_torch.kernels import logit_tiles as tt
 
-VARIANTS = [dataclasses.replace(GEMM, **kw) for kw in ({}, dict(num_stages=4))]
-GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM, **kw) for kw in (
-    {}, dict(tile_n=256), dict(tile_n=256, num_stages=4))]
+LAUNCH = dict(tma=False, persistent=False)  # fce_torch's pointer-load kernels, one program per tile
+VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
+    {}, dict(tma=True), dict(persistent=True), dict(tma=True, persistent=True), dict(tma=True, num_stages=4),
+    dict(tma=True, persistent=True, num_stages=4))]
+GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM, **{**LAUNCH, **kw}) for kw in (  # GRAD_GEMM: the JAX twin's
+    {}, dict(tma=True), dict(tma=True, persistent=True), dict(tma=True, num_stages=4), dict(tile_n=256, tma=True),
+    dict(tile_n=256, tma=True, persistent=True))]
+
+
+def _tag(cfg):
+    return (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
+            + " tma" * cfg.tma + " persistent" * cfg.persistent)
 
 
 def grad_rows(n, h, v, chunk=1024):
@@ -38,22 +48,27 @@ def grad_rows(n, h, v, chunk=1024):
     x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
     dzj, wj, xj = (jax.dlpack.from_dlpack(t) for t in (dz, w, x))
     flop = 2 * m * h * v
+    jax_runs = {}
     rows.append(dict(shape=(m, h, v), impl="cublas dx / dw",
                      ms=_time(lambda: torch.mm(dz, w)), ms_dw=_time(lambda: torch.mm(dz.t(), x))))
     for cfg in GRAD_VARIANTS:
-        tag = f"grad {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
+        tag = f"grad {_tag(cfg)}"
         row = dict(shape=(m, h, v), cfg=tag)
         try:
             out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
             row["torch_ms"] = _time(lambda: tg.dx_gemm(dz, w, out, cfg=cfg))
             row["torch_dw_ms"] = _time(lambda: tg.dw_gemm(dz, x, torch.bfloat16, cfg=cfg))
-            fdx = jax.jit(lambda a, b: jg.dx_gemm(a, b, jnp.bfloat16, cfg=cfg))
-            fdw = jax.jit(lambda a, b: jg.dw_gemm(a, b, jnp.bfloat16, cfg=cfg))
-            row["jax_ms"] = _time(lambda: fdx(dzj, wj).block_until_ready())
-            row["jax_dw_ms"] = _time(lambda: fdw(dzj, xj).block_until_ready())
-            row["bits_dx"] = bool(np.array_equal(_bits(tg.dx_gemm(dz, w, out, cfg=cfg)), _bits(fdx(dzj, wj))))
-            row["bits_dw"] = bool(np.array_equal(_bits(tg.dw_gemm(dz, x, torch.bfloat16, cfg=cfg)),
-                                                 _bits(fdw(dzj, xj))))
+            base = dataclasses.replace(cfg, **LAUNCH)  # the JAX twin has one kernel per tiling
+            if base not in jax_runs:
+                fdx = jax.jit(lambda a, b: jg.dx_gemm(a, b, jnp.bfloat16, cfg=base))
+                fdw = jax.jit(lambda a, b: jg.dw_gemm(a, b, jnp.bfloat16, cfg=base))
+                jax_runs[base] = dict(jax_ms=_time(lambda: fdx(dzj, wj).block_until_ready()),
+                                      jax_dw_ms=_time(lambda: fdw(dzj, xj).block_until_ready()),
+                                      dx=_bits(fdx(dzj, wj)), dw=_bits(fdw(dzj, xj)))
+            j = jax_runs[base]
+            row.update(jax_ms=j["jax_ms"], jax_dw_ms=j["jax_dw_ms"])
+            row["bits_dx"] = bool(np.array_equal(_bits(tg.dx_gemm(dz, w, out, cfg=cfg)), j["dx"]))
+            row["bits_dw"] = bool(np.array_equal(_bits(tg.dw_gemm(dz, x, torch.bfloat16, cfg=cfg)), j["dw"]))
             row["tflops_dx"] = flop / row["torch_ms"] / 1e9
             row["tflops_dw"] = flop / row["torch_dw_ms"] / 1e9
         except Exception as exc:  # noqa: BLE001
@@ -91,6 +106,7 @@ def main():
         y = torch.randint(0, v, (n,), device="cuda", generator=g)
         xj, wj, yj = (jax.dlpack.from_dlpack(t) for t in (x, w, y.to(torch.int32)))
         flop = 2 * n * h * v
+        jax_runs = {}
         ms = _time(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))
         rows.append(dict(shape=(n, h, v), impl="cublas_f32_out", ms=ms, tflops=flop / ms / 1e9))
         xla = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
@@ -98,16 +114,19 @@ def main():
         ms = _time(lambda: xla(xj, wj).block_until_ready())
         rows.append(dict(shape=(n, h, v), impl="xla_f32_out", ms=ms, tflops=flop / ms / 1e9))
         for cfg in VARIANTS:
-            tag = f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
+            tag = _tag(cfg)
             kw = dict(spec=StatsSpec(), transform=Transform(), cfg=cfg)
             row = dict(shape=(n, h, v), cfg=tag)
             try:
                 run_t = lambda: tt.logit_tiles(x, w, None, y, None, precision="ieee", **kw)  # noqa: E731
                 row["torch_ms"] = _time(run_t)
                 e_t, p_t = run_t()
-                fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, None, c, None, precision=None, **kw))
-                row["jax_ms"] = _time(lambda: jax.block_until_ready(fj(xj, wj, yj)))
-                e_j, p_j = fj(xj, wj, yj)
+                base = dataclasses.replace(cfg, **LAUNCH)
+                if base not in jax_runs:
+                    kw_j = dict(kw, cfg=base)
+                    fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, None, c, None, precision=None, **kw_j))
+                    jax_runs[base] = (_time(lambda: jax.block_until_ready(fj(xj, wj, yj))), fj(xj, wj, yj))
+                row["jax_ms"], (e_j, p_j) = jax_runs[base]
                 row["tflops_torch"] = flop / row["torch_ms"] / 1e9
                 row["tflops_jax"] = flop / row["jax_ms"] / 1e9
                 row["bits_e"] = bool(np.array_equal(_bits(e_t), _bits(e_j)))

@@ -1,31 +1,95 @@
-"""Where fce_torch's time goes: the CUDA kernels of one fwd+bwd (torch.profiler), per shape.
+"""Where fce_torch's time goes: the CUDA kernels of one fwd+bwd (torch.profiler), per shape and engine, and
+the wall time of a call against its kernels' sum (the host's share: launches, checks).
 
-Usage (GPU): python tools/profile_torch.py N,H,V [N,H,V ...]. A development tool.
+With --host, the Python functions of the host path instead (cProfile over 50 fwd+bwd of each engine,
+by own time): where the launches' host time goes when the host, not the GPU, sets the pace.
+
+Usage (GPU): python tools/profile_torch.py [--host] N,H,V [N,H,V ...]. A development tool.
 """
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fce_torch
 
+REPS = 3
+
+
+def _step(x, w, y, engine):
+    x.grad = w.grad = None
+    fce_torch.fused_lce(x, w, y, engine=engine).backward()
+
+
+def launch_costs(reps=2000):
+    """Host microseconds per call of pairwise_sum (one Triton launch) against the slicing tree it replaced
+    (log2(width) adds), on the GPU, the host running ahead of it."""
+    from fce_torch.sums import pairwise_sum, sliced_sum as slicing
+
+    for shape in ((256,), (256, 502), (4096, 4096, 3)):
+        x = torch.randn(*shape, device="cuda")
+        assert torch.equal(pairwise_sum(x), slicing(x))
+        for name, fn in (("triton", pairwise_sum), ("slicing", slicing)):
+            fn(x)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn(x)
+            host = (time.perf_counter() - t0) / reps * 1e6
+            torch.cuda.synchronize()
+            print(f"pairwise_sum {shape} {name}: {host:.1f} us per call on the host")
+
+
+def host_profile(x, w, y, engine, calls=50):
+    import cProfile
+    import pstats
+
+    for _ in range(3):
+        _step(x, w, y, engine)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        _step(x, w, y, engine)
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"\n== host path, engine={engine}: {calls} fwd+bwd")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+
 
 def main():
-    for spec in sys.argv[1:] or ["4096,4096,128256"]:
+    host = "--host" in sys.argv
+    specs = [a for a in sys.argv[1:] if a != "--host"]
+    for spec in specs or ["4096,4096,128256"]:
         n, h, v = (int(s) for s in spec.split(","))
         x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(v, h, device="cuda") / h ** 0.5).to(torch.bfloat16).requires_grad_()
         y = torch.randint(0, v, (n,), device="cuda")
-        for _ in range(3):
-            fce_torch.fused_lce(x, w, y).backward()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for engine in ("library", "fused"):
+            if host:
+                host_profile(x, w, y, engine)
+                continue
             for _ in range(3):
-                x.grad = w.grad = None
-                fce_torch.fused_lce(x, w, y).backward()
+                _step(x, w, y, engine)
             torch.cuda.synchronize()
-        print(f"\n== {n},{h},{v}: 3 fwd+bwd")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+            t0 = time.perf_counter()
+            for _ in range(REPS):
+                _step(x, w, y, engine)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / REPS * 1e3
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(REPS):
+                    _step(x, w, y, engine)
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            kernels = sum(e.device_time_total for e in prof.events()
+                          if e.device_type == torch.autograd.DeviceType.CUDA)
+            print(f"\n== {n},{h},{v} engine={engine}: wall {wall:.3f} ms per fwd+bwd, kernels "
+                  f"{kernels / REPS / 1e3:.3f} ms")
+            print(events.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    if not host:
+        launch_costs()
 
 
 if __name__ == "__main__":

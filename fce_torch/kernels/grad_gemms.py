@@ -10,10 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER
+from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH
 from fce_core.plan import dx_slices
 
 from . import fastmath as fm
+from .tma import descriptors, programs, stages
 from ..sums import pairwise_sum
 
 F32 = torch.float32
@@ -21,64 +22,83 @@ WRITE, ADD, PAIR = 0, 1, 2  # the epilogues: C = acc in C's dtype; C (float32) +
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K,
+def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
                  MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    # program (tile, slice): the slice's K range [k_lo, k_hi) and its [M, N] plane of C
-    pid = tl.program_id(0)
-    k_lo = tl.program_id(1) * SLICE_K
-    k_hi = tl.minimum(K, k_lo + SLICE_K)
-    c_ptr += tl.program_id(1).to(tl.int64) * M * N
+                 BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
+                 ASM: tl.constexpr):
+    # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]. A program
+    # computes the (tile, slice) items pid, pid + P, ... (P programs: one per item, or persistent); an item is
+    # its slice's K range [k_lo, k_hi) into the slice's [M, N] plane of C.
     n_m = tl.cdiv(M, BM)
-    rows = (pid % n_m) * BM + tl.arange(0, BM)
-    cols = (pid // n_m) * BN + tl.arange(0, BN)
-    row_ok = rows < M
-    col_ok = cols < N
-    rows64 = rows.to(tl.int64)
-    ks = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        k = k0 + ks
-        k_ok = (k < k_hi) | EVEN_K
-        k64 = k.to(tl.int64)
-        a = tl.load(a_ptr + rows64[:, None] * s_am + k64[None, :] * s_ak, mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        b = tl.load(b_ptr + k64[:, None] * s_bk + cols[None, :] * s_bn, mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)
-        if not ASM:  # the interpreter's dot would keep raw 16-bit products
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(a, b, input_precision=PRECISION)
-    ptrs = rows64[:, None] * s_cm + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    if MODE == 0:
-        tl.store(c_ptr + ptrs, fm.to_dtype(acc, c_ptr.dtype.element_ty, ASM), mask=mask)
-    elif MODE == 1:
-        tl.store(c_ptr + ptrs, tl.load(c_ptr + ptrs, mask=mask, other=0.0) + acc, mask=mask)
-    else:
-        s = acc
-        if not FIRST:
-            s = (tl.load(c_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-                 + tl.load(lo_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)) + acc
-        hi = fm.to_dtype(s, c_ptr.dtype.element_ty, ASM)
-        tl.store(c_ptr + ptrs, hi, mask=mask)
-        tl.store(lo_ptr + ptrs, fm.to_dtype(s - hi.to(tl.float32), lo_ptr.dtype.element_ty, ASM), mask=mask)
+    n_out = n_m * tl.cdiv(N, BN)
+    for pid in tl.range(tl.program_id(0), n_out * n_slices, tl.num_programs(0)):
+        tile = pid % n_out
+        k_lo = (pid // n_out) * SLICE_K
+        k_hi = tl.minimum(K, k_lo + SLICE_K)
+        plane = (pid // n_out).to(tl.int64) * M * N
+        r0 = (tile % n_m) * BM
+        c0 = (tile // n_m) * BN
+        rows = r0 + tl.arange(0, BM)
+        cols = c0 + tl.arange(0, BN)
+        row_ok = rows < M
+        col_ok = cols < N
+        rows64 = rows.to(tl.int64)
+        ks = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            if TMA:  # a slice's K range is whole tile_k steps: a load past k_hi is past K, zeros
+                if A_T:
+                    a = tl.trans(a_ptr.load([k0, r0]))
+                else:
+                    a = a_ptr.load([r0, k0])
+                b = b_ptr.load([k0, c0])
+            else:
+                k = k0 + ks
+                k_ok = (k < k_hi) | EVEN_K
+                k64 = k.to(tl.int64)
+                a = tl.load(a_ptr + rows64[:, None] * s_am + k64[None, :] * s_ak,
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptr + k64[:, None] * s_bk + cols[None, :] * s_bn,
+                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if not ASM:  # the interpreter's dot would keep raw 16-bit products
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, b, input_precision=PRECISION)
+        ptrs = plane + rows64[:, None] * s_cm + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        if MODE == 0:
+            tl.store(c_ptr + ptrs, fm.to_dtype(acc, c_ptr.dtype.element_ty, ASM), mask=mask)
+        elif MODE == 1:
+            tl.store(c_ptr + ptrs, tl.load(c_ptr + ptrs, mask=mask, other=0.0) + acc, mask=mask)
+        else:
+            s = acc
+            if not FIRST:
+                s = (tl.load(c_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+                     + tl.load(lo_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)) + acc
+            hi = fm.to_dtype(s, c_ptr.dtype.element_ty, ASM)
+            tl.store(c_ptr + ptrs, hi, mask=mask)
+            tl.store(lo_ptr + ptrs, fm.to_dtype(s - hi.to(tl.float32), lo_ptr.dtype.element_ty, ASM), mask=mask)
 
 
 def _config():
-    return GRAD_GEMM if fm.ASM else GRAD_GEMM_INTERPRETER
+    return GRAD_GEMM_TORCH if fm.ASM else GRAD_GEMM_INTERPRETER_TORCH
 
 
-def _run(a, a_strides, b, b_strides, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
-    """C (or its `slices` [m, n] planes, one per slice of K) = A @ B with the epilogue `mode`."""
+def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
+    """C (or its `slices` [m, n] planes, one per slice of K) = A @ B with the epilogue `mode`: A [m, k] is
+    `a`, or `a`ᵀ when `a_t` (`a` [k, m]); B [k, n] is `b`; all with unit column strides."""
     cfg = cfg or _config()
     if m == 0 or n == 0:
         return
     slice_k = triton.cdiv(triton.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
-    _gemm_kernel[(triton.cdiv(m, cfg.tile_m) * triton.cdiv(n, cfg.tile_n), slices)](
-        a, *a_strides, b, *b_strides, c, c if lo is None else lo, n, m, n, k, slice_k, MODE=mode, FIRST=first,
-        PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0, ASM=fm.ASM,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
+    (aa, bb), tma = descriptors([(a, a_block), (b, (cfg.tile_k, cfg.tile_n))], cfg)
+    a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
+    items = triton.cdiv(m, cfg.tile_m) * triton.cdiv(n, cfg.tile_n) * slices
+    _gemm_kernel[(programs(items, cfg, a.device),)](
+        aa, *a_strides, bb, b.stride(0), 1, c, c if lo is None else lo, n, m, n, k, slice_k, slices, MODE=mode,
+        FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
+        TMA=tma, A_T=a_t, ASM=fm.ASM, num_warps=cfg.num_warps, num_stages=stages(cfg, a.element_size()))
 
 
 def dx_gemm(dz, w, out, precision="ieee", cfg=None):
@@ -89,15 +109,14 @@ def dx_gemm(dz, w, out, precision="ieee", cfg=None):
     cfg = cfg or _config()
     slices = dx_slices(n, hidden, vocab, cfg)
     planes = out if slices == 1 else torch.empty(slices, n, hidden, device=dz.device, dtype=F32)
-    _run(dz, (dz.stride(0), 1), w, (w.stride(0), 1), planes, None, n, hidden, vocab, WRITE, precision=precision,
-         slices=slices, cfg=cfg)
+    _run(dz, False, w, planes, None, n, hidden, vocab, WRITE, precision=precision, slices=slices, cfg=cfg)
     return out if slices == 1 else out.copy_(pairwise_sum(planes.permute(1, 2, 0)))
 
 
 def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None):
     """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`."""
-    _run(dz, (1, dz.stride(0)), x, (x.stride(0), 1), c, lo, dz.shape[1], x.shape[1], dz.shape[0], mode,
-         first=first, precision=precision, cfg=cfg)
+    _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0], mode, first=first, precision=precision,
+         cfg=cfg)
 
 
 def dw_gemm(dz, x, dtype, precision="ieee", cfg=None):
@@ -107,21 +126,21 @@ def dw_gemm(dz, x, dtype, precision="ieee", cfg=None):
     return out
 
 
-def dw_accumulate(dz, x, acc, precision="ieee"):
+def dw_accumulate(dz, x, acc, precision="ieee", cfg=None):
     """acc += dZᵀ @ x in place, acc being `dw_first`'s: a float32 [V, H] tensor or a (hi, lo) pair.
     Returns acc."""
     if isinstance(acc, tuple):
-        _dz_t_x(dz, x, *acc, PAIR, precision=precision)
+        _dz_t_x(dz, x, *acc, PAIR, precision=precision, cfg=cfg)
     else:
-        _dz_t_x(dz, x, acc, None, ADD, precision=precision)
+        _dz_t_x(dz, x, acc, None, ADD, precision=precision, cfg=cfg)
     return acc
 
 
-def dw_first(dz, x, dtype, precision="ieee"):
+def dw_first(dz, x, dtype, precision="ieee", cfg=None):
     """The first chunk's accumulator: a (hi, lo) pair for a bfloat16 weight, else float32."""
     if dtype != torch.bfloat16:
-        return dw_gemm(dz, x, F32, precision)
+        return dw_gemm(dz, x, F32, precision, cfg)
     hi = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
     lo = torch.empty_like(hi)
-    _dz_t_x(dz, x, hi, lo, PAIR, first=True, precision=precision)
+    _dz_t_x(dz, x, hi, lo, PAIR, first=True, precision=precision, cfg=cfg)
     return hi, lo

@@ -17,18 +17,10 @@ from fce_core.config import GEMM, GEMM_INTERPRETER, TILE_ROWS
 from . import fastmath as fm
 from .fastmath import LOG2E
 from .row_stats import logit_transform
-from ..sums import pairwise_sum
+from .tma import descriptors, programs, stages
+from ..sums import pairwise_sum, row_sum
 
 F32 = torch.float32
-
-
-@triton.jit
-def row_sum(v, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr):
-    """The sum over the W (a power of two) columns of v [BM, W] by the fixed pairwise tree of `sums.pairwise_sum`
-    (adjacent columns first): each step adds pairs, so no compiler chooses the order."""
-    for i in tl.static_range(LOG2_W):
-        v = tl.sum(tl.reshape(v, [BM, W >> (i + 1), 2]), axis=2)
-    return tl.reshape(v, [BM])
 
 
 @triton.jit
@@ -38,55 +30,64 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
                         HAS_CW: tl.constexpr, HAS_Q: tl.constexpr, HAS_PZ: tl.constexpr, STORE: tl.constexpr,
                         PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        LOG2_BN: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    # Row blocks vary fastest: the programs that run together share one W tile, and the chunk's X stays in L2.
-    pid = tl.program_id(0)
+                        LOG2_BN: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, ASM: tl.constexpr):
+    # x_ptr / w_ptr: TMA descriptors of x [n, H] and w [V, H] when TMA. A program computes the output tiles
+    # pid, pid + P, ... (P programs: one per tile, or persistent). Row blocks vary fastest: the programs that
+    # run together share one W tile, and the chunk's X stays in L2.
     n_m = tl.cdiv(n_rows, BM)
-    t = pid // n_m
-    rows = (pid % n_m) * BM + tl.arange(0, BM)
-    cols = t * BN + tl.arange(0, BN)
-    row_ok = rows < n_rows
-    col_ok = cols < V
-    rows64 = rows.to(tl.int64)
-    ks = tl.arange(0, BK)
-    x_rows = x_ptr + rows64[:, None] * H
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * H
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, H, BK):
-        k_ok = ((k0 + ks) < H) | EVEN_K
-        a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if not ASM:  # the interpreter's dot would keep raw 16-bit products
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)  # as the JAX twin writes it: one IR for both
-
-    r = acc
-    if HAS_BIAS:
-        r = r + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    z, _t = logit_transform(r, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, ASM)
-    z = tl.where(col_ok[None, :], z, float("-inf"))
-    m_t = tl.max(z, axis=1)
-    e = fm.ex2((z - m_t[:, None]) * LOG2E, ASM)
-    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
-    part = rows64 * n_tiles + t
-    tl.store(m_ptr + part, m_t, mask=row_ok)
-    tl.store(s_ptr + part, row_sum(e, BM, BN, LOG2_BN), mask=row_ok)
-    tl.store(arg_ptr + part, tl.min(tl.where(z == m_t[:, None], cols[None, :], 2147483647), axis=1), mask=row_ok)
-    tl.store(zy_ptr + part, tl.max(tl.where(cols[None, :] == y[:, None], z, float("-inf")), axis=1), mask=row_ok)
-    if HAS_Q or HAS_PZ:
-        d = tl.where(col_ok[None, :], z - m_t[:, None], 0.0)
-        if HAS_Q:
-            if HAS_CW:
-                d_w = fm.mul(tl.load(cw_ptr + cols, mask=col_ok, other=0.0)[None, :], d, ASM)
+    for pid in tl.range(tl.program_id(0), n_m * n_tiles, tl.num_programs(0)):
+        t = pid // n_m
+        r0 = (pid % n_m) * BM
+        rows = r0 + tl.arange(0, BM)
+        cols = t * BN + tl.arange(0, BN)
+        row_ok = rows < n_rows
+        col_ok = cols < V
+        rows64 = rows.to(tl.int64)
+        ks = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, H, BK):
+            if TMA:
+                a = x_ptr.load([r0, k0])
+                b = w_ptr.load([t * BN, k0])
             else:
-                d_w = d
-            tl.store(q_ptr + part, row_sum(d_w, BM, BN, LOG2_BN), mask=row_ok)
-        if HAS_PZ:
-            tl.store(pz_ptr + part, row_sum(fm.mul(e, d, ASM), BM, BN, LOG2_BN), mask=row_ok)
-    if STORE:
-        tl.store(e_ptr + rows64[:, None] * stride_e + cols[None, :], fm.to_dtype(e, e_ptr.dtype.element_ty, ASM),
-                 mask=row_ok[:, None] & col_ok[None, :])
+                k_ok = ((k0 + ks) < H) | EVEN_K
+                a = tl.load(x_ptr + rows64[:, None] * H + (k0 + ks)[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * H + (k0 + ks)[None, :],
+                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if not ASM:  # the interpreter's dot would keep raw 16-bit products
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)  # as the JAX twin writes it: one IR
+
+        r = acc
+        if HAS_BIAS:
+            r = r + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z, _t = logit_transform(r, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, ASM)
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        m_t = tl.max(z, axis=1)
+        e = fm.ex2((z - m_t[:, None]) * LOG2E, ASM)
+        y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+        part = rows64 * n_tiles + t
+        tl.store(m_ptr + part, m_t, mask=row_ok)
+        tl.store(s_ptr + part, row_sum(e, BM, BN, LOG2_BN), mask=row_ok)
+        tl.store(arg_ptr + part, tl.min(tl.where(z == m_t[:, None], cols[None, :], 2147483647), axis=1),
+                 mask=row_ok)
+        tl.store(zy_ptr + part, tl.max(tl.where(cols[None, :] == y[:, None], z, float("-inf")), axis=1),
+                 mask=row_ok)
+        if HAS_Q or HAS_PZ:
+            d = tl.where(col_ok[None, :], z - m_t[:, None], 0.0)
+            if HAS_Q:
+                if HAS_CW:
+                    d_w = fm.mul(tl.load(cw_ptr + cols, mask=col_ok, other=0.0)[None, :], d, ASM)
+                else:
+                    d_w = d
+                tl.store(q_ptr + part, row_sum(d_w, BM, BN, LOG2_BN), mask=row_ok)
+            if HAS_PZ:
+                tl.store(pz_ptr + part, row_sum(fm.mul(e, d, ASM), BM, BN, LOG2_BN), mask=row_ok)
+        if STORE:
+            tl.store(e_ptr + rows64[:, None] * stride_e + cols[None, :],
+                     fm.to_dtype(e, e_ptr.dtype.element_ty, ASM), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -138,15 +139,16 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
     if n == 0:
         return e, parts
     m = parts["m"]
-    _logit_tiles_kernel[(triton.cdiv(n, cfg.tile_m) * n_tiles,)](
-        x, w, bias if bias is not None else x, y_safe, class_weights if class_weights is not None else m,
+    (xa, wa), tma = descriptors([(x, (cfg.tile_m, cfg.tile_k)), (w, (cfg.tile_n, cfg.tile_k))], cfg)
+    _logit_tiles_kernel[(programs(triton.cdiv(n, cfg.tile_m) * n_tiles, cfg, x.device),)](
+        xa, wa, bias if bias is not None else x, y_safe, class_weights if class_weights is not None else m,
         x if e is None else e, 0 if e is None else e.stride(0), m, parts["s"], parts["amax"], parts["zy"],
         parts.get("q", m), parts.get("pz", m), n, V, hidden, n_tiles, float(transform.softcap or 1.0),
         float(transform.temperature), HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None,
         HAS_TEMP=transform.has_temperature, HAS_CW=class_weights is not None, HAS_Q=spec.q, HAS_PZ=spec.pz,
         STORE=e is not None, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k,
-        LOG2_BN=cfg.tile_n.bit_length() - 1, EVEN_K=hidden % cfg.tile_k == 0, ASM=fm.ASM, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        LOG2_BN=cfg.tile_n.bit_length() - 1, EVEN_K=hidden % cfg.tile_k == 0, TMA=tma, ASM=fm.ASM,
+        num_warps=cfg.num_warps, num_stages=stages(cfg, x.element_size()))
     return e, parts
 
 

@@ -1,0 +1,48 @@
+"""Operands of the GEMM kernels loaded by the tensor memory accelerator (TMA; `GemmConfig.tma`), and the
+persistent launch (`GemmConfig.persistent`). Speed only: a descriptor's load of a block past the array's end
+reads zeros, the values of the masked pointer loads it replaces, so both give the same bits."""
+import functools
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+def tma_ready(*arrays):
+    """Whether TMA can load every [rows, cols] array: unit column stride, 16-byte aligned start and rows."""
+    return all(a.dim() == 2 and a.stride(1) == 1 and a.data_ptr() % 16 == 0
+               and a.stride(0) * a.element_size() % 16 == 0 for a in arrays)
+
+
+def descriptors(arrays_blocks, cfg):
+    """A descriptor per (array, block shape) when the config asks for TMA and every array allows it, else the
+    arrays themselves (the kernels then use masked pointer loads); and whether they are descriptors."""
+    arrays = [a for a, _ in arrays_blocks]
+    if not (cfg.tma and tma_ready(*arrays)):
+        return arrays, False
+    return [TensorDescriptor.from_tensor(a, list(block)) for a, block in arrays_blocks], True
+
+
+SHARED_BYTES = 200 * 1024  # of the H200's 227 KiB per block, the rest for the epilogue's layout changes
+
+
+def stages(cfg, itemsize):
+    """The pipeline depth for operands of `itemsize` bytes: cfg.num_stages, fewer where that many stages of
+    (tile_m + tile_n) x tile_k operands would not fit in shared memory (float32 at 128x256x64)."""
+    per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
+    return max(1, min(cfg.num_stages, SHARED_BYTES // per_stage))
+
+
+@functools.lru_cache(maxsize=None)
+def _processors(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def programs(n_tiles, cfg, device):
+    """Programs to launch for `n_tiles` output tiles: one each, or with `cfg.persistent` at most one per
+    streaming multiprocessor (two in the interpreter, so that its programs loop too), each computing every
+    that-many-th tile."""
+    if not cfg.persistent:
+        return n_tiles
+    if device.type != "cuda":
+        return min(n_tiles, 2)
+    return min(n_tiles, _processors(device.index if device.index is not None else torch.cuda.current_device()))
