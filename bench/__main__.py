@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.bench == "sft":
         from bench import sft as mod
 
-        result = mod.run(settings, progress, profile=args.profile, models=args.model)
+        result = mod.run(settings, progress, profile=args.profile, model_names=args.model)
     elif args.bench == "logprobs":
         from bench import logprobs as mod
 

@@ -332,13 +332,14 @@ def _profile_torch(rows: list[dict], models: dict, shape: tuple, settings: Setti
     return captures
 
 
-def run(settings: Settings, progress: Progress, profile: bool = False, models: list[str] | None = None) -> dict:
-    """The steps of every implementation on each model (`models`: names of MODELS, default all)."""
+def run(settings: Settings, progress: Progress, profile: bool = False, model_names: list[str] | None = None
+        ) -> dict:
+    """The steps of every implementation on each model (`model_names`: names of MODELS, default all)."""
     catalog = SMOKE_MODELS if settings.smoke else MODELS
-    unknown = sorted(set(models or ()) - set(catalog))
+    unknown = sorted(set(model_names or ()) - set(catalog))
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; known: {sorted(catalog)}")
-    models = {name: spec for name, spec in catalog.items() if not models or name in models}
+    models = {name: spec for name, spec in catalog.items() if not model_names or name in model_names}
     shape = (SMOKE_BATCH, SMOKE_SEQ, SMOKE_STEPS, SMOKE_WARM) if settings.smoke else (BATCH, SEQ, STEPS, WARM)
     batch, seq, steps, warm = shape
     notes: dict[str, str] = {}

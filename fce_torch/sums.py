@@ -66,7 +66,7 @@ def pairwise_sum(x, cfg=PAIRWISE):
             v, out, v.shape[0], n, v.stride(0), v.stride(1), n_out, BR=rows, BW=width,
             LOG2_BW=width.bit_length() - 1, num_warps=cfg.num_warps)
         v, n = out, n_out
-    return v.reshape(lead) if v.shape[-1] == 1 else v[:, 0].reshape(lead)
+    return v.reshape(lead)  # [rows, 1]
 
 
 def sliced_sum(x):
