@@ -155,11 +155,11 @@ def implementations(registry: str, settings: Settings, progress: Progress, **kwa
     return torch_impls, impls_jax, jax_impls, notes
 
 
-def fce_logprobs(module: str):
-    """A builder of ``rows(x, w, t) -> (logp, entropy)`` by ``module.fused_token_logprobs``."""
+def fce_logprobs(module: str, engine: str = "library"):
+    """A builder of ``rows(x, w, t) -> (logp, entropy)`` by ``module.fused_token_logprobs`` on `engine`."""
     def build(settings: Settings):
         fused_token_logprobs = guarded_import(module, "fused_token_logprobs")
-        return lambda x, w, t: fused_token_logprobs(x, w, t, return_entropy=True)
+        return lambda x, w, t: fused_token_logprobs(x, w, t, return_entropy=True, engine=engine)
 
     return build
 

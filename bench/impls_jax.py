@@ -80,7 +80,8 @@ def naive_logprobs(settings: Settings):
     return rows
 
 
-LOGPROBS = {"fce_jax": fce_logprobs("fce_jax"), "fce_jax_none": fce_none_rows("fce_jax"), "jax_naive": naive_logprobs}
+LOGPROBS = {"fce_jax": fce_logprobs("fce_jax"), "fce_jax_fused": fce_logprobs("fce_jax", "fused"),
+            "fce_jax_none": fce_none_rows("fce_jax"), "jax_naive": naive_logprobs}
 
 
 def fwd_bwd_rows(rows: Callable) -> Callable:
@@ -95,9 +96,9 @@ def fwd_bwd_rows(rows: Callable) -> Callable:
 # --- fused linear CPO -----------------------------------------------------------------------------------
 
 
-def fce_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
+def fce_cpo(settings: Settings, beta: float, alpha: float, engine: str = "library") -> Loss:
     fused_cpo_loss = guarded_import("fce_jax", "fused_cpo_loss")
-    return lambda x, w, t: fused_cpo_loss(x, w, t, beta=beta, alpha=alpha)
+    return lambda x, w, t: fused_cpo_loss(x, w, t, beta=beta, alpha=alpha, engine=engine)
 
 
 def trl_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
@@ -114,7 +115,7 @@ def trl_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
     return loss
 
 
-CPO = {"fce_jax": fce_cpo, "trl_jax": trl_cpo}
+CPO = {"fce_jax": fce_cpo, "fce_jax_fused": functools.partial(fce_cpo, engine="fused"), "trl_jax": trl_cpo}
 
 
 # --- inputs ---------------------------------------------------------------------------------------------

@@ -113,7 +113,8 @@ def naive_logprobs(settings: Settings):
     return rows
 
 
-LOGPROBS = {"fce_torch": fce_logprobs("fce_torch"), "fce_torch_none": fce_none_rows("fce_torch"),
+LOGPROBS = {"fce_torch": fce_logprobs("fce_torch"), "fce_torch_fused": fce_logprobs("fce_torch", "fused"),
+            "fce_torch_none": fce_none_rows("fce_torch"),
             "torch_naive": naive_logprobs}
 
 
@@ -132,9 +133,9 @@ def fwd_bwd_rows(rows: Callable, g: torch.Tensor, h: torch.Tensor) -> Callable:
 # --- fused linear CPO -----------------------------------------------------------------------------------
 
 
-def fce_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
+def fce_cpo(settings: Settings, beta: float, alpha: float, engine: str = "library") -> Loss:
     fused_cpo_loss = guarded_import("fce_torch", "fused_cpo_loss")
-    return lambda x, w, t: fused_cpo_loss(x, w, t, beta=beta, alpha=alpha)
+    return lambda x, w, t: fused_cpo_loss(x, w, t, beta=beta, alpha=alpha, engine=engine)
 
 
 def liger_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
@@ -160,7 +161,8 @@ def trl_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
     return loss
 
 
-CPO = {"fce_torch": fce_cpo, "liger": liger_cpo, "trl_torch": trl_cpo}
+CPO = {"fce_torch": fce_cpo, "fce_torch_fused": functools.partial(fce_cpo, engine="fused"), "liger": liger_cpo,
+       "trl_torch": trl_cpo}
 
 
 # --- inputs ---------------------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ class GradGemmConfig:
     num_stages: int = 3
     tma: bool = False
     persistent: bool = False
+    mosaic: bool = False  # the JAX twin's 16-bit GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms.py)
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,17 @@ GRAD_GEMM = GradGemmConfig()
 # Triton (tools/fused_kernels.py); the JAX twin's fused engine was slower on 128x256 tiles at N >= 16384 and at
 # H = 640 (bench/results/nvidia-h200/engine-tma/op-both-twins-128x256/), so it keeps GRAD_GEMM's.
 GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persistent=True)
+# The JAX twin's launch of the same GEMMs on Pallas Mosaic GPU, 16-bit operands (NUMERICS as GRAD_GEMM): two
+# compute warpgroups on 128 of a tile's 256 rows each, TMA loads, persistent programs. Opt-in (GradGemmConfig.mosaic)
+# until measured on the GPU: it has run in Mosaic GPU's interpret mode only.
+GRAD_GEMM_MOSAIC = dataclasses.replace(GRAD_GEMM, tile_m=256, tile_n=128, num_stages=4, tma=True, persistent=True,
+                                       mosaic=True)
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)
 # Other launch tiles than the JAX twin's in the CPU tests too: the twins' bits must not depend on them.
 GRAD_GEMM_INTERPRETER_TORCH = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_n=32, tma=True, persistent=True)
+# Mosaic GPU's smallest wgmma tile has 64 rows per warpgroup.
+GRAD_GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_m=128, tile_n=32, tma=True,
+                                                   persistent=True, mosaic=True)
 TILE_ROWS = BlockConfig(block=16)  # rows per program of the tiled dlogits and merge kernels (speed only)
 BUDGET = BudgetConfig()

@@ -1,6 +1,13 @@
 """The parts of the public docstrings that are the same in both twins (the contract, docs/SPEC.md), and the
 decorator that assembles a function's docstring from them and its framework's own parts."""
 
+ENGINE_ARG = """\
+    engine: "library" (default: a library logits GEMM into float32 logits, then our row passes) or "fused"
+        (our logits GEMM with the row statistics in its epilogue, storing 16-bit exp-scaled tile values
+        instead of float32 logits: less memory; not yet vocab-parallel). Both compute the same math within
+        SPEC's bounds; their bits differ (docs/NUMERICS.md, "The fused engine").
+"""
+
 FLCE_SUMMARY = """Fused linear cross-entropy: ``cross_entropy(x @ weight.T + bias, targets)`` without the logits."""
 
 FLCE_ARGS = """\
@@ -28,11 +35,7 @@ FLCE_ARGS = """\
         argmax is the target; per-row 0/1 for "none") and ``argmax`` (first argmax per row, -1 on ignored
         rows; int64 in torch, int32 in JAX). The stats carry no gradient.
     chunk_rows: rows per chunk (default from the logits budget: see ``fce_core.plan``).
-    engine: "library" (default: a library logits GEMM into float32 logits, then our row passes) or "fused"
-        (our logits GEMM with the row statistics in its epilogue, storing 16-bit exp-scaled tile values
-        instead of float32 logits: less memory; not yet vocab-parallel). Both compute the same math within
-        SPEC's bounds; their bits differ (docs/NUMERICS.md, "The fused engine").
-"""
+""" + ENGINE_ARG
 
 CPO_SUMMARY = """Fused linear CPO loss (TRL's ``CPOTrainer.cpo_loss`` plus ``cpo_alpha`` NLL), without the logits."""
 
@@ -52,7 +55,7 @@ CPO_ARGS = """\
     chunk_rows: rows per chunk. When all rows' dZ would not fit (``fce_core.plan.plan_pairs``), the rows go
         in groups of whole pairs of at most this many rows (at least one pair), and chunks of this many rows
         run over each group.
-"""
+""" + ENGINE_ARG
 
 LOGPROBS_SUMMARY = """Per-token log-probabilities ``log softmax(z)[y]`` (and entropies) of ``z = x @ weight.T + bias``,
 without the logits: the primitive under GRPO / PPO / DPO / distillation losses."""
@@ -67,7 +70,7 @@ LOGPROBS_ARGS = """\
     temperature: the (softcapped) logits are divided by it (> 0) before the softmax.
     return_entropy: also return each row's entropy ``lse(z) - sum_c p_c z_c``.
     chunk_rows: rows per chunk (default from the logits budget: see ``fce_core.plan``).
-"""
+""" + ENGINE_ARG
 
 LOGPROBS_RETURNS = """``logp`` (float32, the shape of targets; 0 on ignored rows), and ``entropy`` likewise when
 asked."""

@@ -50,6 +50,7 @@ class CpoOptions:
     simpo_gamma: float = 0.5
     average_log_prob: bool = False
     chunk_rows: int | None = None
+    engine: str = "library"
 
     @property
     def loss_code(self) -> int:
@@ -62,6 +63,7 @@ class LogprobOptions:
     softcap: float | None = None
     temperature: float = 1.0
     chunk_rows: int | None = None
+    engine: str = "library"
 
     @property
     def transform(self) -> Transform:

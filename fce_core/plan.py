@@ -97,18 +97,23 @@ def fused_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grad
 
 
 def plan_pairs(n_pairs: int, seq_len: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,
-               requested: int | None = None, budget: BudgetConfig = BUDGET) -> Plan:
+               requested: int | None = None, budget: BudgetConfig = BUDGET, engine: str = "library") -> Plan:
     """The plan of a preference loss over 2 * n_pairs sequences of seq_len rows. Its dZ is always kept when
     gradients are asked (a pair's coefficients need all its rows): in one group when the row plan keeps it
-    (or without gradients), else in groups of whole pairs of at most one chunk's rows, with chunks of the
-    grouped budget over each group and dW accumulated over the groups."""
+    (or without gradients), else in groups of whole pairs of at most one chunk's rows, with chunks over each
+    group (of the grouped float32 logits budget; for the fused engine, whose tile values go into the kept
+    rows, of its tiles budget) and dW accumulated over the groups."""
     n_rows = 2 * n_pairs * seq_len
-    base = plan_rows(n_rows, hidden, vocab, itemsize, need_grads=need_grads, requested=requested, budget=budget)
+    base = plan_rows(n_rows, hidden, vocab, itemsize, need_grads=need_grads, requested=requested, budget=budget,
+                     engine=engine)
     if not need_grads or base.keep_dz:
         return base
     per_group = pairs_per_group(n_pairs, seq_len, base.rows)
     group_rows = 2 * per_group * seq_len
-    rows = chunk_rows(group_rows, vocab, requested, budget.grouped_logits, budget.row_multiple)
+    if engine == "fused":
+        rows = chunk_rows(group_rows, vocab, requested, budget.tiles, budget.row_multiple, itemsize)
+    else:
+        rows = chunk_rows(group_rows, vocab, requested, budget.grouped_logits, budget.row_multiple)
     return Plan(n_rows, rows, True, None if per_group >= n_pairs else group_rows)
 
 

@@ -33,7 +33,8 @@ def logprob_setup(xp, kernel, x_shape, itemsize, w_rows, y, opt, *, entropy, nee
             inputs["h"] = xp.f32(h)
     head = Head(lambda stats, rows: kernel(stats, rows["y"], rows.get("g"), rows.get("h"),
                                            ignore_index=opt.ignore_index, vocab=vocab), StatsSpec(pz=entropy))
-    plan = plan_rows(x_shape[0], x_shape[1], w_rows, itemsize, need_grads=need_grads, requested=opt.chunk_rows)
+    plan = plan_rows(x_shape[0], x_shape[1], w_rows, itemsize, need_grads=need_grads, requested=opt.chunk_rows,
+                     engine=opt.engine)
     return head, inputs, plan
 
 

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_cpo_options, check_pair_batch
+from fce_core.contract import check_cpo_options, check_engine, check_pair_batch
 from fce_core.options import LOSS_TYPES, CpoOptions, FlceOptions
 from fce_core.plan import pair_order, plan_pairs
 
@@ -63,7 +63,7 @@ def run_cpo(static, x, w, bias, y, *, grads):
     n_chosen = jnp.sum((y[:n_pairs * seq_len] != opt.ignore_index).astype(jnp.int32)).astype(F32)
     scalars = jnp.stack([jnp.asarray(n_pairs, F32), n_chosen, jnp.asarray(vocab, F32)])
     plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.dtype.itemsize,
-                      need_grads=any(grads), requested=opt.chunk_rows)
+                      need_grads=any(grads), requested=opt.chunk_rows, engine=opt.engine)
     order = pair_order(n_pairs, seq_len, plan)
     seqs = (2 * n_pairs, seq_len, x.shape[1])
     if order is not None:
@@ -72,7 +72,7 @@ def run_cpo(static, x, w, bias, y, *, grads):
     finish = lambda outputs, inputs: _finish_pairs(outputs, inputs, opt=opt, scalars=scalars)  # noqa: E731
     out, dx, dw, db = sweep(x, w, bias, None, _token_head(opt.ignore_index, scalars, vocab), {"y": y}, plan,
                             grads=grads, transform=FlceOptions().transform, ignore_index=opt.ignore_index,
-                            finish=finish, comm=comm)
+                            finish=finish, comm=comm, engine=opt.engine)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
         dx = None if dx is None else _unpermute(dx, order, seqs)
@@ -87,7 +87,7 @@ def run_cpo(static, x, w, bias, y, *, grads):
     out-of-range targets when they are concrete.""")
 def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
                    loss_type="sigmoid", simpo_gamma=0.5, average_log_prob=None, vocab_parallel=None,
-                   return_stats=False, chunk_rows=None):
+                   return_stats=False, chunk_rows=None, engine="library"):
     check_cpo_options(loss_type, beta, alpha, label_smoothing, LOSS_TYPES)
     check_pair_batch(describe(x))
     mesh_layout = sharding.layout(x, weight, targets, rows_may_split=False) if vocab_parallel is None else None
@@ -96,12 +96,13 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         call = lambda x, w, t, b, vp: fused_cpo_loss(  # noqa: E731
             x, w, t, bias=b, ignore_index=ignore_index, beta=beta, alpha=alpha, label_smoothing=label_smoothing,
             loss_type=loss_type, simpo_gamma=simpo_gamma, average_log_prob=average_log_prob, vocab_parallel=vp,
-            return_stats=return_stats, chunk_rows=chunk_rows)
+            return_stats=return_stats, chunk_rows=chunk_rows, engine=engine)
         stats_spec = dict.fromkeys(("chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards",
                                     "nll_loss"), P())
         return sharding.run(mesh_layout, call, (x, weight, targets, bias),
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (P(), stats_spec) if return_stats else P())
+    check_engine(engine, vocab_parallel=vocab_parallel is not None)
     _, vocab = check_tensors(x, weight, targets, bias)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)
@@ -109,7 +110,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         average_log_prob = loss_type in ("ipo", "simpo")
     opt = CpoOptions(seq_len=x.shape[1], ignore_index=int(ignore_index), beta=float(beta), alpha=float(alpha),
                      label_smoothing=float(label_smoothing), loss_type=loss_type, simpo_gamma=float(simpo_gamma),
-                     average_log_prob=bool(average_log_prob), chunk_rows=chunk_rows)
+                     average_log_prob=bool(average_log_prob), chunk_rows=chunk_rows, engine=engine)
     x2 = jnp.reshape(x, (-1, x.shape[2]))
     y = jnp.reshape(targets, (-1,)).astype(jnp.int32)
     weight, bias = match_axes(x2, y, weight, bias)

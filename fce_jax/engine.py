@@ -167,6 +167,11 @@ class _Sweep:
         return dx, dw, db
 
 
+def _weight_grad(dw):
+    """dW from its accumulator: the hi of a (hi, lo) pair (`grad_gemms.dw_first`), else itself."""
+    return dw[0] if isinstance(dw, tuple) else dw
+
+
 def _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace):
     """A group's chunks (the first n_run of them; n_run may be traced): (outputs, dx or None, acc), the rows
     of the chunks that do not run 0."""
@@ -243,7 +248,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         outputs, dx, dw, db = _group_pass(sw, plan, permute(x), {k: permute(v) for k, v in inputs.items()}, inputs,
                                           plan.chunks_to_run(n_valid, jnp.clip), None, db, trace, finish, pos,
                                           order)
-        return outputs, dx, dw[0] if isinstance(dw, tuple) else dw, db  # a (hi, lo) pair: hi is dW
+        return outputs, dx, _weight_grad(dw), db
     g_first, n_groups = layout(plan.n_rows, plan.group_rows)
 
     def later_group(i, carry):
@@ -260,4 +265,4 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
                                       layout(g_first, plan.rows)[1], None, db, trace, finish)
     (dw, db), stacked = stack_loop(later_group, 1, n_groups, (dw, db), n_groups - 1)
     outputs, dx = _flat((outputs, dx), stacked)
-    return outputs, dx, dw, db
+    return outputs, dx, _weight_grad(dw), db

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_softcap, check_temperature
+from fce_core.contract import check_engine, check_softcap, check_temperature
 from fce_core.options import LogprobOptions
 from fce_core.sweeps import logprob_setup
 
@@ -29,7 +29,7 @@ def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), 
     head, inputs, plan = logprob_setup(arrays, logprob_head, x.shape, x.dtype.itemsize, w.shape[0], y, opt,
                                        entropy=entropy, need_grads=any(grads), g=g, h=h, comm=comm)
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,
-                 ignore_index=opt.ignore_index, comm=comm)
+                 ignore_index=opt.ignore_index, comm=comm, engine=opt.engine)
 
 
 def _forward(static, x, w, bias, y):
@@ -53,7 +53,7 @@ custom VJP whose backward sweeps again with the cotangents of both outputs).""",
 """, returns=docs.LOGPROBS_RETURNS, raises="""ValueError: naming the argument, for shape/dtype mismatches,
     bad options, and out-of-range targets when they are concrete.""")
 def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, softcap=None, temperature=1.0,
-                         return_entropy=False, vocab_parallel=None, chunk_rows=None):
+                         return_entropy=False, vocab_parallel=None, chunk_rows=None, engine="library"):
     check_softcap(softcap)
     check_temperature(temperature)
     mesh_layout = sharding.layout(x, weight, targets) if vocab_parallel is None else None
@@ -61,15 +61,17 @@ def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, so
         (x_spec, t_spec, b_spec), rows = sharding.specs(mesh_layout, x, bias)
         call = lambda x, w, t, b, vp: fused_token_logprobs(  # noqa: E731
             x, w, t, bias=b, ignore_index=ignore_index, softcap=softcap, temperature=temperature,
-            return_entropy=return_entropy, vocab_parallel=vp, chunk_rows=chunk_rows)
+            return_entropy=return_entropy, vocab_parallel=vp, chunk_rows=chunk_rows, engine=engine)
         return sharding.run(mesh_layout, call, (x, weight, targets, bias),
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (rows, rows) if return_entropy else rows)
+    check_engine(engine, vocab_parallel=vocab_parallel is not None)
     hidden, vocab = check_tensors(x, weight, targets, bias)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)
     static = (LogprobOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
-                             temperature=float(temperature), chunk_rows=chunk_rows), bool(return_entropy),
+                             temperature=float(temperature), chunk_rows=chunk_rows, engine=engine),
+              bool(return_entropy),
               vocab_parallel)
     lead = tuple(targets.shape)
     x2 = jnp.reshape(x, (-1, hidden))

@@ -11,7 +11,7 @@ import torch
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_cpo_options, check_pair_batch
+from fce_core.contract import check_cpo_options, check_engine, check_pair_batch
 from fce_core.options import LOSS_TYPES, CpoOptions, FlceOptions
 from fce_core.plan import pair_order, plan_pairs
 
@@ -67,7 +67,7 @@ def _cpo(x, w, bias, y, opt, validate, comm, needs):
     scalars = torch.stack([torch.full_like(n_chosen, float(n_pairs)), n_chosen,
                            torch.full_like(n_chosen, float(vocab))])
     plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.element_size(),
-                      need_grads=any(needs), requested=opt.chunk_rows)
+                      need_grads=any(needs), requested=opt.chunk_rows, engine=opt.engine)
     order = pair_order(n_pairs, seq_len, plan)
     seqs = (2 * n_pairs, seq_len, x.shape[1])
     if order is not None:
@@ -76,7 +76,7 @@ def _cpo(x, w, bias, y, opt, validate, comm, needs):
     finish = lambda outputs, inputs: _finish_pairs(outputs, inputs, opt=opt, scalars=scalars)  # noqa: E731
     out, dx, dw, db = sweep(x, w, bias, None, _token_head(opt.ignore_index, scalars, vocab), {"y": y}, plan,
                             grads=tuple(needs), transform=FlceOptions().transform, ignore_index=opt.ignore_index,
-                            valid_rows=valid_rows, finish=finish, comm=comm)
+                            valid_rows=valid_rows, finish=finish, comm=comm, engine=opt.engine)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
         dx = None if dx is None else _unpermute(dx, order, seqs)
@@ -88,21 +88,21 @@ def _cpo(x, w, bias, y, opt, validate, comm, needs):
 @torch.library.custom_op("fce::cpo", mutates_args=())
 def cpo_op(x: Tensor, w: Tensor, bias: Optional[Tensor], y: Tensor, seq_len: int, ignore_index: int, beta: float,
            alpha: float, label_smoothing: float, loss_type: str, simpo_gamma: float, average_log_prob: bool,
-           chunk_rows: Optional[int], validate: bool, vp_group: Optional[str], vp_offsets: list[int],
+           chunk_rows: Optional[int], engine: str, validate: bool, vp_group: Optional[str], vp_offsets: list[int],
            needs: list[bool]) -> CpoOutputs:
     opt = CpoOptions(seq_len=seq_len, ignore_index=ignore_index, beta=beta, alpha=alpha,
                      label_smoothing=label_smoothing, loss_type=loss_type, simpo_gamma=simpo_gamma,
-                     average_log_prob=average_log_prob, chunk_rows=chunk_rows)
+                     average_log_prob=average_log_prob, chunk_rows=chunk_rows, engine=engine)
     with torch.autocast(x.device.type, enabled=False):
         return _cpo(x, w, bias, y, opt, validate, comm_for(vp_group, vp_offsets, w, validate), needs)
 
 
 @cpo_op.register_fake
 def _(x, w, bias, y, seq_len, ignore_index, beta, alpha, label_smoothing, loss_type, simpo_gamma,
-      average_log_prob, chunk_rows, validate, vp_group, vp_offsets, needs):
+      average_log_prob, chunk_rows, engine, validate, vp_group, vp_offsets, needs):
     n_pairs = y.shape[0] // (2 * seq_len)
     plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.element_size(),
-                      need_grads=any(needs), requested=chunk_rows)
+                      need_grads=any(needs), requested=chunk_rows, engine=engine)
     dw_dtype = kept_weight_grad_dtype(plan, w.dtype)
     pair = x.new_empty((n_pairs,), dtype=F32)
     return (x.new_empty((), dtype=F32), pair, torch.empty_like(pair), torch.empty_like(pair), torch.empty_like(pair),
@@ -123,10 +123,11 @@ under ``torch.compile`` (``fullgraph=True`` too).""", raises="""ValueError: nami
     shape/dtype mismatches, bad options, out-of-range targets.""")
 def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
                    loss_type="sigmoid", simpo_gamma=0.5, average_log_prob=None, vocab_parallel=None,
-                   return_stats=False, validate=True, chunk_rows=None):
+                   return_stats=False, validate=True, chunk_rows=None, engine="library"):
     check_cpo_options(loss_type, beta, alpha, label_smoothing, LOSS_TYPES)
     check_pair_batch(describe(x))
     weight, bias, _, vp_group, vp_offsets = resolve(weight, bias, None, vocab_parallel)
+    check_engine(engine, vocab_parallel=vp_group is not None)
     check_tensors(x, weight, targets, bias)
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")
@@ -134,7 +135,8 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
     needs = [requires_grad(x2), requires_grad(w), b is not None and requires_grad(b)]
     loss, logp_c, logp_r, reward_c, reward_r, nll = cpo_op(
         x2, w, b, y, x.shape[1], int(ignore_index), float(beta), float(alpha), float(label_smoothing), loss_type,
-        float(simpo_gamma), bool(average_log_prob), chunk_rows, bool(validate), vp_group, vp_offsets, needs)[:6]
+        float(simpo_gamma), bool(average_log_prob), chunk_rows, engine, bool(validate), vp_group, vp_offsets,
+        needs)[:6]
     if not return_stats:
         return loss
     return loss, {"chosen_logps": logp_c, "rejected_logps": logp_r, "chosen_rewards": reward_c,

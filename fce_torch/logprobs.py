@@ -8,7 +8,7 @@ import torch
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_softcap, check_temperature
+from fce_core.contract import check_engine, check_softcap, check_temperature
 from fce_core.options import LogprobOptions
 from fce_core.sweeps import logprob_setup
 
@@ -33,19 +33,20 @@ def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), 
     vocab = w.shape[0] if comm is None else comm.vocab
     valid_rows = check_values(inputs["y"], vocab, opt.ignore_index) if validate else None
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,
-                 ignore_index=opt.ignore_index, valid_rows=valid_rows, comm=comm)
+                 ignore_index=opt.ignore_index, valid_rows=valid_rows, comm=comm, engine=opt.engine)
 
 
-def _options(ignore_index, softcap, temperature, chunk_rows):
-    return LogprobOptions(ignore_index=ignore_index, softcap=softcap, temperature=temperature, chunk_rows=chunk_rows)
+def _options(ignore_index, softcap, temperature, chunk_rows, engine):
+    return LogprobOptions(ignore_index=ignore_index, softcap=softcap, temperature=temperature, chunk_rows=chunk_rows,
+                          engine=engine)
 
 
 @torch.library.custom_op("fce::token_logprobs", mutates_args=())
 def logprobs_op(x: Tensor, w: Tensor, bias: Optional[Tensor], y: Tensor, ignore_index: int,
-                softcap: Optional[float], temperature: float, chunk_rows: Optional[int], validate: bool,
-                vp_group: Optional[str], vp_offsets: list[int], entropy: bool) -> tuple[Tensor, Tensor]:
+                softcap: Optional[float], temperature: float, chunk_rows: Optional[int], engine: str,
+                validate: bool, vp_group: Optional[str], vp_offsets: list[int], entropy: bool) -> tuple[Tensor, Tensor]:
     """(logp, entropy or an empty stand-in) of every row."""
-    opt = _options(ignore_index, softcap, temperature, chunk_rows)
+    opt = _options(ignore_index, softcap, temperature, chunk_rows, engine)
     with torch.autocast(x.device.type, enabled=False):
         rows, *_ = logprobs_sweep(x, w, y, bias, opt, entropy=entropy, validate=validate,
                                   comm=comm_for(vp_group, vp_offsets, w, validate))
@@ -53,18 +54,20 @@ def logprobs_op(x: Tensor, w: Tensor, bias: Optional[Tensor], y: Tensor, ignore_
 
 
 @logprobs_op.register_fake
-def _(x, w, bias, y, ignore_index, softcap, temperature, chunk_rows, validate, vp_group, vp_offsets, entropy):
+def _(x, w, bias, y, ignore_index, softcap, temperature, chunk_rows, engine, validate, vp_group, vp_offsets,
+      entropy):
     row = x.new_empty((x.shape[0],), dtype=F32)
     return row, torch.empty_like(row) if entropy else absent(x)
 
 
 @torch.library.custom_op("fce::token_logprobs_grads", mutates_args=())
 def logprobs_grads_op(x: Tensor, w: Tensor, bias: Optional[Tensor], y: Tensor, ignore_index: int,
-                      softcap: Optional[float], temperature: float, chunk_rows: Optional[int], validate: bool,
-                      vp_group: Optional[str], vp_offsets: list[int], entropy: bool, g_logp: Optional[Tensor],
-                      g_entropy: Optional[Tensor], needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+                      softcap: Optional[float], temperature: float, chunk_rows: Optional[int], engine: str,
+                      validate: bool, vp_group: Optional[str], vp_offsets: list[int], entropy: bool,
+                      g_logp: Optional[Tensor], g_entropy: Optional[Tensor],
+                      needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) in the parameters' dtypes for the cotangents of logp and of the entropy."""
-    opt = _options(ignore_index, softcap, temperature, chunk_rows)
+    opt = _options(ignore_index, softcap, temperature, chunk_rows, engine)
     needs = [needs[0], needs[1], needs[2] and bias is not None]
     with torch.autocast(x.device.type, enabled=False):
         g = torch.zeros(x.shape[0], device=x.device, dtype=F32) if g_logp is None else g_logp
@@ -92,15 +95,17 @@ both; without gradients only the forward rows are computed (one GEMM per chunk).
 (``fullgraph=True`` too).""", raises="""ValueError: naming the argument, for shape/dtype mismatches, bad
     options or out-of-range targets (the last only when ``validate``).""")
 def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, softcap=None, temperature=1.0,
-                         return_entropy=False, vocab_parallel=None, validate=True, chunk_rows=None):
+                         return_entropy=False, vocab_parallel=None, validate=True, chunk_rows=None,
+                         engine="library"):
     check_softcap(softcap)
     check_temperature(temperature)
     weight, bias, _, vp_group, vp_offsets = resolve(weight, bias, None, vocab_parallel)
+    check_engine(engine, vocab_parallel=vp_group is not None)
     check_tensors(x, weight, targets, bias)
     lead = tuple(targets.shape)
     x2, w, y, b, _ = prepare(x, weight, targets, bias)
     args = (x2, w, b, y, int(ignore_index), None if softcap is None else float(softcap), float(temperature),
-            chunk_rows, bool(validate), vp_group, vp_offsets, bool(return_entropy))
+            chunk_rows, engine, bool(validate), vp_group, vp_offsets, bool(return_entropy))
     logp, entropy = logprobs_op(*args)
     if not return_entropy:
         return logp.view(lead)

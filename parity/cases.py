@@ -117,6 +117,7 @@ class CpoCase:
     pad_frac: float = 0.1         # up to this fraction of trailing tokens set to ignore_index (padding)
     logit_scale: float = 1.0
     seed: int = 0
+    engine: str = "library"       # fused_cpo_loss's engine
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -127,10 +128,15 @@ class CpoCase:
         return 2 * self.pairs * self.t
 
     def options(self) -> dict:
-        """Keyword arguments of ``fused_cpo_loss`` (without ``bias``)."""
-        return {"beta": self.beta, "alpha": self.alpha, "label_smoothing": self.label_smoothing,
-                "loss_type": self.loss_type, "simpo_gamma": self.simpo_gamma,
-                "average_log_prob": self.average_log_prob}
+        """Keyword arguments of ``fused_cpo_loss`` (without ``bias``; ``engine`` only when the case sets it)."""
+        out = {"beta": self.beta, "alpha": self.alpha, "label_smoothing": self.label_smoothing,
+               "loss_type": self.loss_type, "simpo_gamma": self.simpo_gamma,
+               "average_log_prob": self.average_log_prob}
+        return out if self.engine == "library" else {**out, "engine": self.engine}
+
+    def math_options(self) -> dict:
+        """`options` without the engine: what the reference evaluates."""
+        return {k: v for k, v in self.options().items() if k != "engine"}
 
     def resolved_average_log_prob(self) -> bool:
         if self.average_log_prob is not None:
@@ -159,14 +165,21 @@ class LogprobCase:
     ignore_frac: float = 0.1
     logit_scale: float = 1.0
     seed: int = 0
+    engine: str = "library"       # fused_token_logprobs's engine
 
     @property
     def rows(self) -> int:
         return math.prod(self.shape)
 
     def options(self) -> dict:
-        """Keyword arguments of ``fused_token_logprobs`` (without ``bias`` and ``return_entropy``)."""
-        return {"ignore_index": IGNORE_INDEX, "softcap": self.softcap, "temperature": self.temperature}
+        """Keyword arguments of ``fused_token_logprobs`` (without ``bias`` and ``return_entropy``; ``engine``
+        only when the case sets it)."""
+        out = {"ignore_index": IGNORE_INDEX, "softcap": self.softcap, "temperature": self.temperature}
+        return out if self.engine == "library" else {**out, "engine": self.engine}
+
+    def math_options(self) -> dict:
+        """`options` without the engine: what the reference evaluates."""
+        return {k: v for k, v in self.options().items() if k != "engine"}
 
     def output_dtypes(self) -> dict[str, str | None]:
         return {"logp": "float32", "entropy": "float32", "dx": self.dtype, "dw": self.dtype,

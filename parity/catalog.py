@@ -38,6 +38,8 @@ def small_cpo_cases() -> list[CpoCase]:
         CpoCase("simpo_bf16", 2, 8, 32, 130, "bfloat16", loss_type="simpo", seed=23),
         CpoCase("ipo_f32", 1, 12, 16, 130, "float32", loss_type="ipo", seed=24),
         CpoCase("hinge_f32", 2, 6, 16, 130, "float32", loss_type="hinge", beta=0.5, seed=25),
+        CpoCase("fused_cpo_ls_bias_bf16", 2, 8, 32, 130, "bfloat16", bias=True, label_smoothing=0.1,
+                engine="fused", seed=26),
     ]
 
 
@@ -52,6 +54,8 @@ def small_logprob_cases() -> list[LogprobCase]:
         LogprobCase("logprobs_ignored_3d_bf16", (2, 7), 32, 130, "bfloat16", ignore_frac=0.5, temperature=1.3,
                     seed=34),
         LogprobCase("logprobs_all_ignored_f32", (8,), 16, 130, "float32", ignore_frac=1.0, seed=35),
+        LogprobCase("fused_logprobs_ignored_3d_bf16", (2, 7), 32, 130, "bfloat16", ignore_frac=0.5,
+                    temperature=1.3, engine="fused", seed=36),
     ]
 
 
@@ -116,7 +120,9 @@ def gpu_cpo_cases() -> list[CpoCase]:
             CpoCase("ipo_bf16_2x1024_4k_128k", **s, loss_type="ipo", seed=403),
             CpoCase("hinge_bf16_2x1024_4k_128k", **s, loss_type="hinge", seed=404),
             # 8 pairs: all rows' dZ would outgrow the dW accumulator, so groups of whole pairs run.
-            CpoCase("cpo_sigmoid_bf16_8x1024_4k_128k", **{**s, "pairs": 8}, seed=405)]
+            CpoCase("cpo_sigmoid_bf16_8x1024_4k_128k", **{**s, "pairs": 8}, seed=405),
+            CpoCase("fused_cpo_sigmoid_bf16_2x1024_4k_128k", **s, engine="fused", seed=406),
+            CpoCase("fused_cpo_sigmoid_bf16_8x1024_4k_128k", **{**s, "pairs": 8}, engine="fused", seed=407)]
 
 
 def gpu_logprob_cases() -> list[LogprobCase]:
@@ -129,7 +135,10 @@ def gpu_logprob_cases() -> list[LogprobCase]:
             LogprobCase("logprobs_bf16_4k_4k_128k_softcap_bias", **a, softcap=30.0, logit_scale=30.0, bias=True,
                         seed=502),
             LogprobCase("logprobs_f32_1k_1k_32k_temp07", (1024,), 1024, 32000, "float32", temperature=0.7,
-                        seed=503)]
+                        seed=503),
+            LogprobCase("fused_logprobs_bf16_4k_4k_128k", **a, engine="fused", seed=504),
+            LogprobCase("fused_logprobs_bf16_8k_2048_152k_temp07", (8192,), 2048, 151936, "bfloat16",
+                        temperature=0.7, engine="fused", seed=505)]
 
 
 def default_cases(device: str, *, cpo: bool = True, logprobs: bool = True) -> list:

@@ -37,10 +37,10 @@ def reference_for(case, inp: dict, device: str) -> tuple[dict, str]:
         out = reference.flce_on_device(x, w, t, bias=b, class_weights=inp["class_weights"],
                                        grad_output=inp["grad_loss"], **case.math_options())
     elif case.kind == "cpo":
-        out = reference.cpo_on_device(x, w, t, bias=b, **case.options())
+        out = reference.cpo_on_device(x, w, t, bias=b, **case.math_options())
     else:
         out = reference.logprobs_on_device(x, w, t, bias=b, grad_logp=inp["grad_logp"],
-                                           grad_entropy=inp["grad_entropy"], **case.options())
+                                           grad_entropy=inp["grad_entropy"], **case.math_options())
     return out, f"parity.reference (float64 on {device}, chunked)"
 
 

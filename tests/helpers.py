@@ -128,6 +128,14 @@ def to_jax(t):
     return jnp.asarray(t.detach().cpu().numpy())
 
 
+def to_torch(a):
+    """A torch tensor with the same values and dtype as the JAX array ``a`` (float32 / bfloat16 / float16)."""
+    import torch
+
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    return torch.from_numpy(np.asarray(a.astype("float32"))).to(names[a.dtype.name])
+
+
 def dtype_name_or_str(dtype) -> str:
     """"float32" | "bfloat16" | "float16" | "int64"...: a framework-neutral dtype name."""
     try:

@@ -35,7 +35,7 @@ from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_core.plan import layout, plan_rows
 from fce_core.rows import tile_weights
-from helpers import to_jax
+from helpers import to_jax, to_torch
 from parity.cases import IGNORE_INDEX, Case, make_inputs
 from parity.reference import as_float64
 from twins import check_flce, each_twin, quick_jit
@@ -626,3 +626,91 @@ def test_fused_deterministic(twin, name):
             continue
         assert twin.dtype(v) == twin.dtype(again[key]), key
         assert np.array_equal(twin.bits(v), twin.bits(again[key])), key
+
+
+def _exact_grad_operands(n, hidden, v, dt, seed):
+    """dZ in 64ths of [-1, 1], w in 16ths of [-1, 1], x in quarters of [-2, 2]: every product and partial sum
+    of dX and dW is exact in float32 (and every value exact in 16 bits), so every K order gives the same sums."""
+    g = torch.Generator().manual_seed(seed)
+    dz = torch.randint(-64, 65, (n, v), generator=g) / 64.0
+    w = torch.randint(-16, 17, (v, hidden), generator=g) / 16.0
+    x = torch.randint(-8, 9, (n, hidden), generator=g) / 4.0
+    return dz.to(dt), w.to(dt), x.to(dt)
+
+
+def _pair_after(chunk_sums):
+    """The bfloat16 (hi, lo) pair after each chunk's float32 sum s_c: s = (hi + lo) + s_c, hi = rne(s),
+    lo = rne(s - hi), the rule fce_torch/kernels/grad_gemms.py states."""
+    hi = lo = None
+    for s_c in chunk_sums:
+        s = s_c.float() if hi is None else (hi.float() + lo.float()) + s_c.float()
+        hi = s.to(torch.bfloat16)
+        lo = (s - hi.float()).to(torch.bfloat16)
+    return hi, lo
+
+
+def _same_bits(a, b):
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+@pytest.mark.parametrize("dtype, hidden", [("bfloat16", 40), ("float16", 64)])
+def test_jax_mosaic_grad_gemms(dtype, hidden):
+    """The JAX twin's Mosaic GPU dX and dW kernels (GradGemmConfig.mosaic, run in Mosaic GPU's interpret mode):
+    dX over several V slices and in one, dW written, and dW accumulated over two chunks (the (hi, lo) pair for
+    bfloat16, float32 for float16). On exact-sum operands each is bit for bit the exact result rounded as the
+    contract says, as are the Pallas Triton kernels and fce_torch's. Ragged everywhere: 37 rows, V = 300 (K
+    not a multiple of tile_k), H = 40 (not a multiple of tile_n), chunks of 20 and 17 rows (dW's K)."""
+    import jax.numpy as jnp
+
+    from fce_core.config import GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC_INTERPRETER
+    from fce_core.plan import dx_slices
+    from fce_jax.kernels import grad_gemms as jg
+    from fce_torch.kernels import grad_gemms as tg
+
+    n, v = 37, 300
+    dt = getattr(torch, dtype)
+    dz, w, x = _exact_grad_operands(n, hidden, v, dt, seed=hidden)
+    assert dx_slices(n, hidden, v, GRAD_GEMM_MOSAIC_INTERPRETER) > 1
+    assert dx_slices(n, hidden, 200, GRAD_GEMM_MOSAIC_INTERPRETER) == 1
+    exact_dx = dz.double() @ w.double()
+    sums = [dz[:20].double().T @ x[:20].double(), dz[20:].double().T @ x[20:].double()]
+    want = {"dx": exact_dx.to(dt), "dx_one_slice": (dz[:, :200].double() @ w[:200].double()).to(dt),
+            "dw": (sums[0] + sums[1]).to(dt), "acc": _pair_after(sums) if dt == torch.bfloat16 else ((sums[0] + sums[1]).float(),)}
+
+    def jax_run(cfg):
+        jdt = getattr(jnp, dtype)
+
+        def f(dz, w, x):
+            acc = jg.dw_accumulate(dz[20:], x[20:], jg.dw_first(dz[:20], x[:20], jdt, cfg=cfg), cfg=cfg)
+            return {"dx": jg.dx_gemm(dz, w, jdt, cfg=cfg),
+                    "dx_one_slice": jg.dx_gemm(dz[:, :200], w[:200], jdt, cfg=cfg),
+                    "dw": jg.dw_gemm(dz, x, jdt, cfg=cfg), "acc": acc if isinstance(acc, tuple) else (acc,)}
+
+        out = quick_jit(f)(to_jax(dz), to_jax(w), to_jax(x))
+        return {k: tuple(map(to_torch, a)) if isinstance(a, tuple) else to_torch(a)
+                for k, a in out.items()}
+
+    acc = tg.dw_accumulate(dz[20:], x[20:], tg.dw_first(dz[:20], x[:20], dt))
+    runs = {"jax mosaic": jax_run(GRAD_GEMM_MOSAIC_INTERPRETER), "jax triton": jax_run(GRAD_GEMM_INTERPRETER),
+            "torch": {"dx": tg.dx_gemm(dz, w, torch.empty(n, hidden, dtype=dt)),
+                      "dx_one_slice": tg.dx_gemm(dz[:, :200].contiguous(), w[:200],
+                                                 torch.empty(n, hidden, dtype=dt)),
+                      "dw": tg.dw_gemm(dz, x, dt), "acc": acc if isinstance(acc, tuple) else (acc,)}}
+    for impl, got in runs.items():
+        for key, expected in want.items():
+            pairs = zip(got[key], expected) if key == "acc" else [(got[key], expected)]
+            assert all(_same_bits(a, b) for a, b in pairs), (impl, key)
+
+
+def test_jax_mosaic_grad_gemms_refuse_float32():
+    """Mosaic GPU multiplies on wgmma only (float32 input: tf32): the IEEE float32 GEMM is refused, not
+    rounded silently."""
+    import jax.numpy as jnp
+
+    from fce_core.config import GRAD_GEMM_MOSAIC_INTERPRETER
+    from fce_jax.kernels import grad_gemms as jg
+
+    a = jnp.ones((8, 16), jnp.float32)
+    with pytest.raises(ValueError, match="16-bit operands"):
+        jg.dx_gemm(a, jnp.ones((16, 8), jnp.float32), jnp.float32, cfg=GRAD_GEMM_MOSAIC_INTERPRETER)

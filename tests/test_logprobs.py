@@ -43,7 +43,7 @@ def _cotangents(case, zero_rows=(), zero_logp_rows=()):
 
 
 def _run(twin, case, *, return_entropy=True, zero_rows=(), zero_logp_rows=(), chunk_rows="case", grads=True,
-         fresh=False):
+         fresh=False, **kw):
     inp = make_logprob_inputs(case)
     g_logp, g_ent = _cotangents(case, zero_rows, zero_logp_rows)
     if not return_entropy:
@@ -51,7 +51,8 @@ def _run(twin, case, *, return_entropy=True, zero_rows=(), zero_logp_rows=(), ch
     nc = CHUNK_ROWS.get(case.name) if chunk_rows == "case" else chunk_rows
     out = twin.logprobs(twin.array(inp["x"]), twin.array(inp["weight"]), twin.array(inp["targets"]),
                         bias=twin.array(inp["bias"]), g_logp=g_logp, g_entropy=g_ent, return_entropy=return_entropy,
-                        grads=grads, softcap=case.softcap, temperature=case.temperature, chunk_rows=nc, fresh=fresh)
+                        grads=grads, softcap=case.softcap, temperature=case.temperature, chunk_rows=nc, fresh=fresh,
+                        **kw)
     return inp, (g_logp, g_ent), out
 
 
@@ -106,6 +107,42 @@ def test_matches_reference(twin, name):
         assert plan_rows(case.rows, case.h, case.v, itemsize, need_grads=True,
                          requested=nc).keep_dz == (name in ("f16_kept", "bf16_3d"))
     check_logprobs(case, inp, cot, out)
+
+
+@each_twin
+@pytest.mark.parametrize("name", ["f32_bias", "bf16_3d", "f16_kept", "single_row"])
+def test_fused_engine_matches_reference(twin, name):
+    """engine="fused" (the logits GEMM with the statistics epilogue, 16-bit tile values, the tiled dlogits):
+    logp, entropy and the gradients within the same bounds, over several chunks with dZ accumulated
+    (f32_bias) or kept (bf16_3d, f16_kept, whose fused plan keeps it too), and a single row."""
+    case = CASES[name]
+    nc = CHUNK_ROWS[name]
+    if nc is not None:
+        itemsize = 4 if case.dtype == "float32" else 2
+        fused = plan_rows(case.rows, case.h, case.v, itemsize, need_grads=True, requested=nc, engine="fused")
+        assert fused.keep_dz == (name in ("f16_kept", "bf16_3d"))
+    inp, cot, out = _run(twin, case, engine="fused")
+    check_logprobs(case, inp, cot, out)
+    if case.dtype != "float32":  # the option reaches the engine: its 16-bit tile values give other bits
+        assert not np.array_equal(twin.bits(out["dw"]), twin.bits(_cached(twin, name)[2]["dw"]))
+
+
+@each_twin
+def test_unknown_engine_raises(twin):
+    inp = make_logprob_inputs(CASES["f32_bias"])
+    with pytest.raises(ValueError, match="engine must be one of"):
+        twin.logprobs_call(*(twin.array(inp[k]) for k in ("x", "weight", "targets")), engine="cuda")
+
+
+def test_fused_engine_refuses_vocab_parallel():
+    """engine="fused" with vocab parallelism is refused before the axis is touched (fce_jax here; fce_torch
+    calls the same `fce_core.contract.check_engine`, tested in tests/test_fused_engine.py)."""
+    import fce_jax
+
+    inp = make_logprob_inputs(CASES["f32_bias"])
+    with pytest.raises(ValueError, match="vocab-parallel"):
+        JAX.logprobs_call(*(JAX.array(inp[k]) for k in ("x", "weight", "targets")), engine="fused",
+                          vocab_parallel=fce_jax.VocabParallel("model"))
 
 
 @pytest.mark.parametrize("name", ["f32_bias", "bf16_3d"])

@@ -587,9 +587,9 @@ def test_flce_on_device_by_chunks_matches_the_whole(case):
             average_log_prob=False, prompt_frac=0.4, seed=9)], ids=lambda c: c.name)
 def test_cpo_on_device_by_pairs_matches_the_whole(case):
     inp = make_cpo_inputs(case)
-    want = cpo_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"], **case.options())
+    want = cpo_reference(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"], **case.math_options())
     got = reference.cpo_on_device(inp["x"], inp["weight"], inp["targets"], bias=inp["bias"], chunk_bytes=1,
-                                  **case.options())                          # one pair per chunk
+                                  **case.math_options())                          # one pair per chunk
     _chunked_equals_whole(got, want, ("loss", "dx", "dw", "db", "nll_loss"))
     want_logps = np.concatenate([want["chosen_logps"], want["rejected_logps"]])
     assert rel_err(got["logps"], want_logps) < 1e-12
@@ -598,7 +598,7 @@ def test_cpo_on_device_by_pairs_matches_the_whole(case):
 @pytest.mark.parametrize("case", small_logprob_cases(), ids=lambda c: c.name)
 def test_logprobs_on_device_by_chunks_matches_the_whole(case):
     inp = case_inputs(case)
-    kw = dict(bias=inp["bias"], grad_logp=inp["grad_logp"], grad_entropy=inp["grad_entropy"], **case.options())
+    kw = dict(bias=inp["bias"], grad_logp=inp["grad_logp"], grad_entropy=inp["grad_entropy"], **case.math_options())
     want = logprobs_reference(inp["x"], inp["weight"], inp["targets"], **kw)
     got = reference.logprobs_on_device(inp["x"], inp["weight"], inp["targets"], chunk_bytes=2 * case.v * 8, **kw)
     _chunked_equals_whole(got, want, ("logp", "entropy", "dx", "dw", "db"))

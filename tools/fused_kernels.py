@@ -1,9 +1,11 @@
 """The fused engine's kernels on the GPU, one call: every GemmConfig variant of the logits GEMM with its
 statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile values and partials), against
-cuBLAS / XLA's plain logits GEMM; then the dX and dW GEMMs. The launch variants (TMA loads, persistent
-programs) are fce_torch's; the JAX twin runs its one kernel for each, so each row's bits compare them. A development tool: its table guides GemmConfig.
+cuBLAS / XLA's plain logits GEMM; then the dX and dW GEMMs and the (hi, lo) accumulation, in each twin's
+launch variants (fce_torch's Triton, the JAX twin's Mosaic GPU), every one's bits against fce_torch's default.
+The logits variants (TMA loads, persistent programs) are fce_torch's; the JAX twin runs its one kernel for
+each. A development tool: its table guides GemmConfig and GradGemmConfig.
 
-Usage (GPU): python tools/fused_kernels.py OUT_DIR [N,H,V ...]
+Usage (GPU): python tools/fused_kernels.py OUT_DIR [--grads] [N,H,V ...]   (--grads: the gradient GEMMs only)
 """
 import dataclasses
 import json
@@ -16,7 +18,7 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from fce_core.config import GEMM, GRAD_GEMM
+from fce_core.config import GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_TORCH
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_jax.kernels import grad_gemms as jg
@@ -28,9 +30,10 @@ LAUNCH = dict(tma=False, persistent=False)  # fce_torch's pointer-load kernels, 
 VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
     {}, dict(tma=True), dict(persistent=True), dict(tma=True, persistent=True), dict(tma=True, num_stages=4),
     dict(tma=True, persistent=True, num_stages=4))]
-GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM, **{**LAUNCH, **kw}) for kw in (  # GRAD_GEMM: the JAX twin's
-    {}, dict(tma=True), dict(tma=True, persistent=True), dict(tma=True, num_stages=4), dict(tile_n=256, tma=True),
-    dict(tile_n=256, tma=True, persistent=True))]
+GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
+    dict(tile_n=128, tma=False, persistent=False), {})]
+MOSAIC_VARIANTS = [dataclasses.replace(GRAD_GEMM_MOSAIC, **kw) for kw in (  # the JAX twin's Mosaic GPU launches
+    {}, dict(num_stages=3), dict(tile_m=128), dict(tile_m=128, tile_n=256, num_stages=3))]
 
 
 def _tag(cfg):
@@ -39,7 +42,8 @@ def _tag(cfg):
 
 
 def grad_rows(n, h, v, chunk=1024):
-    """dX and dW of one chunk (min(n, chunk) rows) with each GradGemmConfig variant, both twins."""
+    """dX, dW and the (hi, lo) accumulation of a second chunk (min(n, chunk) rows) with each launch variant of
+    either twin; every JAX variant's bits against fce_torch's default launch."""
     rows = []
     m = min(n, chunk)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -48,33 +52,45 @@ def grad_rows(n, h, v, chunk=1024):
     x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
     dzj, wj, xj = (jax.dlpack.from_dlpack(t) for t in (dz, w, x))
     flop = 2 * m * h * v
-    jax_runs = {}
     rows.append(dict(shape=(m, h, v), impl="cublas dx / dw",
                      ms=_time(lambda: torch.mm(dz, w)), ms_dw=_time(lambda: torch.mm(dz.t(), x))))
-    for cfg in GRAD_VARIANTS:
-        tag = f"grad {_tag(cfg)}"
-        row = dict(shape=(m, h, v), cfg=tag)
-        try:
-            out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-            row["torch_ms"] = _time(lambda: tg.dx_gemm(dz, w, out, cfg=cfg))
-            row["torch_dw_ms"] = _time(lambda: tg.dw_gemm(dz, x, torch.bfloat16, cfg=cfg))
-            base = dataclasses.replace(cfg, **LAUNCH)  # the JAX twin has one kernel per tiling
-            if base not in jax_runs:
-                fdx = jax.jit(lambda a, b: jg.dx_gemm(a, b, jnp.bfloat16, cfg=base))
-                fdw = jax.jit(lambda a, b: jg.dw_gemm(a, b, jnp.bfloat16, cfg=base))
-                jax_runs[base] = dict(jax_ms=_time(lambda: fdx(dzj, wj).block_until_ready()),
-                                      jax_dw_ms=_time(lambda: fdw(dzj, xj).block_until_ready()),
-                                      dx=_bits(fdx(dzj, wj)), dw=_bits(fdw(dzj, xj)))
-            j = jax_runs[base]
-            row.update(jax_ms=j["jax_ms"], jax_dw_ms=j["jax_dw_ms"])
-            row["bits_dx"] = bool(np.array_equal(_bits(tg.dx_gemm(dz, w, out, cfg=cfg)), j["dx"]))
-            row["bits_dw"] = bool(np.array_equal(_bits(tg.dw_gemm(dz, x, torch.bfloat16, cfg=cfg)), j["dw"]))
-            row["tflops_dx"] = flop / row["torch_ms"] / 1e9
-            row["tflops_dw"] = flop / row["torch_dw_ms"] / 1e9
-        except Exception as exc:  # noqa: BLE001
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+    pair = tg.dw_first(dz, x, torch.bfloat16)
+    ref = dict(dx=_bits(tg.dx_gemm(dz, w, out)), dw=_bits(tg.dw_gemm(dz, x, torch.bfloat16)),
+               pair=[_bits(p) for p in tg.dw_accumulate(dz, x, tuple(p.clone() for p in pair))])
+    for twin, variants in (("torch", GRAD_VARIANTS), ("jax", MOSAIC_VARIANTS)):
+        for cfg in variants:
+            row = dict(shape=(m, h, v), twin=twin, cfg=f"grad {_tag(cfg)}")
+            try:
+                if twin == "torch":
+                    fdx = lambda: tg.dx_gemm(dz, w, out, cfg=cfg)  # noqa: E731
+                    fdw = lambda: tg.dw_gemm(dz, x, torch.bfloat16, cfg=cfg)  # noqa: E731
+                    facc = lambda: tg.dw_accumulate(dz, x, pair, cfg=cfg)  # noqa: E731
+                    got = dict(dx=fdx(), dw=fdw(), pair=tg.dw_accumulate(dz, x, tuple(p.clone() for p in pair),
+                                                                         cfg=cfg))
+                else:
+                    jdx = jax.jit(lambda a, b: jg.dx_gemm(a, b, jnp.bfloat16, cfg=cfg))
+                    jdw = jax.jit(lambda a, b: jg.dw_gemm(a, b, jnp.bfloat16, cfg=cfg))
+                    # the accumulator donated, as it is dead in the engine: updated in place, no copy
+                    jacc = jax.jit(lambda a, b, c: jg.dw_accumulate(a, b, c, cfg=cfg), donate_argnums=2)
+                    fdx = lambda: jdx(dzj, wj).block_until_ready()  # noqa: E731
+                    fdw = lambda: jdw(dzj, xj).block_until_ready()  # noqa: E731
+                    state = [tuple(jax.dlpack.from_dlpack(p.clone()) for p in pair)]
+
+                    def facc():
+                        state[0] = jax.block_until_ready(jacc(dzj, xj, state[0]))
+
+                    got = dict(dx=fdx(), dw=fdw(),
+                               pair=jacc(dzj, xj, tuple(jax.dlpack.from_dlpack(p.clone()) for p in pair)))
+                row.update(dx_ms=_time(fdx), dw_ms=_time(fdw), acc_ms=_time(facc))
+                row["bits"] = {"dx": bool(np.array_equal(_bits(got["dx"]), ref["dx"])),
+                               "dw": bool(np.array_equal(_bits(got["dw"]), ref["dw"])),
+                               "pair": all(np.array_equal(_bits(a), b) for a, b in zip(got["pair"], ref["pair"]))}
+                row["tflops_dx"], row["tflops_dw"] = flop / row["dx_ms"] / 1e9, flop / row["dw_ms"] / 1e9
+            except Exception as exc:  # noqa: BLE001  (a variant that does not compile is reported)
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -96,10 +112,16 @@ def _bits(a):
 
 
 def main():
-    out_dir, shapes = sys.argv[1], [tuple(int(v) for v in s.split(",")) for s in sys.argv[2:]] or [
+    args = sys.argv[1:]
+    grads_only = "--grads" in args
+    out_dir, *shapes = [a for a in args if a != "--grads"]
+    shapes = [tuple(int(v) for v in s.split(",")) for s in shapes] or [
         (4096, 4096, 128256), (256, 4096, 128256), (8192, 640, 262144)]
     rows = []
     for n, h, v in shapes:
+        if grads_only:
+            rows += grad_rows(n, h, v)
+            continue
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
@@ -146,9 +168,8 @@ def main():
         if "impl" in r and "ms_dw" in r:
             print(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} / {r['ms_dw']:.3f} | | | | | |")
         elif r.get("cfg", "").startswith("grad") and "error" not in r:
-            print(f"| {r['shape']} | {r['cfg']} | dx {r['torch_ms']:.3f} dw {r['torch_dw_ms']:.3f} | dx "
-                  f"{r['jax_ms']:.3f} dw {r['jax_dw_ms']:.3f} | {r['tflops_dx']:.0f} / {r['tflops_dw']:.0f} | | "
-                  f"{r['bits_dx']} | {r['bits_dw']} |")
+            print(f"| {r['shape']} | {r['twin']} {r['cfg']} | dx {r['dx_ms']:.3f} dw {r['dw_ms']:.3f} acc "
+                  f"{r['acc_ms']:.3f} | | {r['tflops_dx']:.0f} / {r['tflops_dw']:.0f} | | {r['bits']} |")
         elif "cfg" not in r:
             print(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} | | {r['tflops']:.0f} | | | |")
         elif "error" in r:

@@ -1,6 +1,13 @@
-"""The fused engine's gradient GEMMs as Pallas kernels (the Triton lowering on the GPU): the same K-ascending
-dX = dZ W and dW (+)= dZᵀ X, with the same epilogues, as fce_torch's (see its module for the (hi, lo) pair).
-Twin: fce_torch/kernels/grad_gemms.py.
+"""The fused engine's gradient GEMMs, JAX twin of fce_torch/kernels/grad_gemms.py: the same K-ascending
+dX = dZ W and dW (+)= dZᵀ X, with the same epilogues (see its module for the (hi, lo) pair), so the same bits.
+
+Two kernels, the same bits (K ascending, never split):
+- the Pallas Triton lowering (`_triton_kernel`, pointer loads), the default;
+- Pallas Mosaic GPU (`grad_gemms_mgpu.py`; `GradGemmConfig.mosaic`, e.g. GRAD_GEMM_MOSAIC) for 16-bit
+  operands: TMA loads, a warp-specialized wgmma pipeline, persistent programs. float32 operands stay on the
+  Triton lowering: their IEEE products need FMA loops (`tl.dot`'s "ieee"), and Mosaic GPU multiplies on
+  wgmma only, whose float32 input is tf32. Not yet the default: it has run in Mosaic GPU's interpret mode
+  only, not yet on a GPU.
 """
 import jax
 import jax.numpy as jnp
@@ -18,7 +25,7 @@ F32 = jnp.float32
 WRITE, ADD, PAIR = 0, 1, 2
 
 
-def _gemm_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg):
+def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg):
     c_ref, lo_ref = (refs[-2], refs[-1]) if mode == PAIR else (refs[-1], None)
     bm, bn, bk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     # program (tile, slice): the slice's K range [k_lo, k_hi) and its [m, n] plane of C
@@ -68,12 +75,21 @@ def _config():
 
 def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=1, cfg=None):
     """The GEMM into `outs` (arrays to update in place, aliased) or new ones (ShapeDtypeStructs; with
-    `slices`, one [slices, m, n] array of the K slices' planes)."""
+    `slices`, one [slices, m, n] array of the K slices' planes): on Mosaic GPU with `cfg.mosaic`."""
     cfg = cfg or _config()
+    slice_k = pl.cdiv(pl.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
+    if cfg.mosaic:
+        if jnp.dtype(a.dtype).itemsize != 2:
+            raise ValueError(f"the Mosaic GPU GEMMs (GradGemmConfig.mosaic) take 16-bit operands, got {a.dtype}: "
+                             "wgmma has no IEEE float32 product")
+        from .grad_gemms_mgpu import mosaic_gemm  # Mosaic GPU (and absl, which it imports) only when asked for
+
+        res = mosaic_gemm(a, b, m, n, k, a_t=a_t, mode=mode, outs=outs, first=first, slices=slices,
+                          slice_k=slice_k, cfg=cfg)
+        return res if len(res) > 1 else res[0]
     given = [o for o in outs if not isinstance(o, jax.ShapeDtypeStruct)]
     shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
-    slice_k = pl.cdiv(pl.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
-    res = call(_gemm_kernel, out_shape=shapes, grid=(pl.cdiv(m, cfg.tile_m) * pl.cdiv(n, cfg.tile_n), slices),
+    res = call(_triton_kernel, out_shape=shapes, grid=(pl.cdiv(m, cfg.tile_m) * pl.cdiv(n, cfg.tile_n), slices),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                input_output_aliases={2 + i: i for i in range(len(given))}, m=m, n=n, k=k, slice_k=slice_k,
                a_t=a_t, mode=mode, first=first, precision=precision, cfg=cfg)(a, b, *given)
@@ -105,16 +121,16 @@ def dw_gemm(dz, x, dtype, precision=None, cfg=None):
                    cfg=cfg)
 
 
-def dw_first(dz, x, dtype, precision=None):
+def dw_first(dz, x, dtype, precision=None, cfg=None):
     """The first chunk's accumulator: a (hi, lo) pair for a bfloat16 weight, else float32."""
     if dtype != jnp.bfloat16:
-        return dw_gemm(dz, x, F32, precision)
+        return dw_gemm(dz, x, F32, precision, cfg)
     shape = jax.ShapeDtypeStruct((dz.shape[1], x.shape[1]), dtype)
-    return tuple(_dz_t_x(dz, x, PAIR, [shape, shape], first=True, precision=precision))
+    return tuple(_dz_t_x(dz, x, PAIR, [shape, shape], first=True, precision=precision, cfg=cfg))
 
 
-def dw_accumulate(dz, x, acc, precision=None):
+def dw_accumulate(dz, x, acc, precision=None, cfg=None):
     """acc + dZᵀ @ x, acc being `dw_first`'s (float32, or a (hi, lo) pair), in its buffers."""
     pair = isinstance(acc, tuple)
-    out = _dz_t_x(dz, x, PAIR if pair else ADD, list(acc) if pair else [acc], precision=precision)
+    out = _dz_t_x(dz, x, PAIR if pair else ADD, list(acc) if pair else [acc], precision=precision, cfg=cfg)
     return tuple(out) if pair else out

@@ -1,0 +1,138 @@
+"""The fused engine's dX and dW GEMMs of grad_gemms.py on Pallas Mosaic GPU, for 16-bit operands (opt-in:
+`GradGemmConfig.mosaic`): the same K-ascending products and epilogues (WRITE, ADD, the (hi, lo) PAIR), so the
+same bits, with TMA loads, a warp-specialized wgmma pipeline and persistent programs. Launches: `mgpu.py`.
+"""
+import functools
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import mgpu
+from .grad_gemms import ADD, F32, PAIR, WRITE
+
+COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
+EPILOGUE_ROWS = 64   # rows of a compute warpgroup's epilogue block in shared memory
+
+
+def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first, cfg, stages_):
+    """Output tiles of cfg.tile_m x cfg.tile_n on a persistent loop over (tile, slice) items. Per item, a
+    warp-specialized pipeline over the slice's K steps (a memory warpgroup's TMA loads, two compute warpgroups'
+    wgmma on their tile_m / 2 rows each), then each compute warpgroup's epilogue through shared memory and TMA
+    stores. C's blocks that ADD and PAIR read are loaded by TMA before the K loop, so that the load overlaps
+    it rather than stalling the epilogue."""
+    bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
+    n_m, n_n = pl.cdiv(m, cfg.tile_m), pl.cdiv(n, bn)
+    tiles = n_m * n_n
+    planes = c_gmem[0].ndim == 3
+    loads = mode == ADD or (mode == PAIR and not first)
+    dtype = a_gmem.dtype
+    a_block = (bk, cfg.tile_m) if a_t else (cfg.tile_m, bk)
+    specs = [plgpu.BlockSpec(a_block, (lambda s: (s, 0)) if a_t else (lambda s: (0, s)),
+                             transforms=mgpu.transforms(a_block[1], dtype)),
+             plgpu.BlockSpec((bk, bn), lambda s: (s, 0), transforms=mgpu.transforms(bn, dtype))]
+
+    def pipeline(body, context, steps):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
+            max_concurrent_steps=stages_, compute_context=context)
+
+    epi_rows = _epilogue_rows(cfg, loads)
+    epi = [plgpu.SMEM((COMPUTE_WGS, epi_rows, bn), c.dtype, transforms=mgpu.transforms(bn, c.dtype))
+           for c in c_gmem]
+    allocs = pipeline(None, None, pl.cdiv(slice_k, bk)).get_allocations(a_gmem, b_gmem)
+
+    @functools.partial(pl.run_scoped, allocs=allocs, epi=epi,
+                       bars=plgpu.Barrier(num_barriers=COMPUTE_WGS * len(c_gmem)), collective_axes="wg")
+    def _scope(allocs, epi, bars):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((tiles * slices,), collective_axes="sm")
+        def _item(info):
+            (item,) = info.index
+            tile, sl = lax.rem(item, tiles), lax.div(item, tiles)
+            r0, c0 = lax.rem(tile, n_m) * cfg.tile_m, lax.div(tile, n_m) * bn
+            k_lo = sl * slice_k
+            steps = lax.div(jnp.minimum(k, k_lo + slice_k) - k_lo + bk - 1, bk)
+            ks, rows, cols = pl.ds(k_lo, slice_k), pl.ds(r0, cfg.tile_m), pl.ds(c0, bn)
+            wg_rows = pl.ds(wg * bm, bm)
+
+            def mma(_, a_smem, b_smem, acc):
+                a = plgpu.transpose_ref(a_smem.at[:, wg_rows], (1, 0)) if a_t else a_smem.at[wg_rows]
+                plgpu.wgmma(acc, a, b_smem)
+                plgpu.wgmma_wait(0)
+                return acc
+
+            def context(run):
+                mine = [s.at[wg] for s in epi]
+                my_bars = [bars.at[wg * len(c_gmem) + i] for i in range(len(c_gmem))]
+
+                def block(e):
+                    out_rows = pl.ds(r0 + wg * bm + e * epi_rows, epi_rows)
+                    return [c.at[sl, out_rows, cols] if planes else c.at[out_rows, cols] for c in c_gmem]
+
+                if loads:  # one block, the warpgroup's whole tile
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for d, s_, b_ in zip(block(0), mine, my_bars):
+                        plgpu.copy_gmem_to_smem(d, s_, b_)
+
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bn), F32))
+                def _acc(acc):
+                    run(acc)
+                    total = acc[...]
+                    for e in range(bm // epi_rows):
+                        _epilogue(total[e * epi_rows:(e + 1) * epi_rows], block(e), mine, my_bars, mode, first,
+                                  loads)
+
+            a_src = a_gmem.at[ks, rows] if a_t else a_gmem.at[rows, ks]
+            pipeline(mma, context, steps)(a_src, b_gmem.at[ks, cols], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _epilogue_rows(cfg, loads):
+    """Rows of a compute warpgroup's epilogue block: its whole tile when C is loaded first, else EPILOGUE_ROWS."""
+    bm = cfg.tile_m // COMPUTE_WGS
+    return bm if loads else min(EPILOGUE_ROWS, bm)
+
+
+def _epilogue(acc, dst, smem, bars, mode, first, loads):
+    """One compute warpgroup's block of C from its float32 `acc`: written (WRITE), added to C (ADD), or the
+    (hi, lo) pair updated (PAIR), through its `smem` tiles into the `dst` blocks of global memory."""
+    if loads:
+        for b_ in bars:
+            plgpu.barrier_wait(b_)
+    else:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read the tiles
+    if mode == WRITE:
+        smem[0][...] = acc.astype(smem[0].dtype)
+    elif mode == ADD:
+        smem[0][...] = smem[0][...] + acc
+    else:
+        total = acc if first else (smem[0][...].astype(F32) + smem[1][...].astype(F32)) + acc
+        hi = total.astype(smem[0].dtype)
+        smem[0][...] = hi
+        smem[1][...] = (total - hi.astype(F32)).astype(smem[1].dtype)
+    plgpu.commit_smem()
+    for d, s_ in zip(dst, smem):
+        plgpu.copy_smem_to_gmem(s_, d)
+
+
+def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg):
+    """grad_gemms' `_run` on Mosaic GPU (mode WRITE / ADD / PAIR as there): outs all new (ShapeDtypeStructs) or
+    all given (updated in place as `jax.Ref`s). Returns the list of results."""
+    epi_rows = _epilogue_rows(cfg, mode == ADD or (mode == PAIR and not first))
+    epilogue_bytes = sum(COMPUTE_WGS * epi_rows * cfg.tile_n * jnp.dtype(o.dtype).itemsize for o in outs)
+    per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
+    items = pl.cdiv(m, cfg.tile_m) * pl.cdiv(n, cfg.tile_n) * slices
+    body = functools.partial(_kernel, m=m, n=n, k=k, slice_k=slice_k, slices=slices, a_t=a_t, mode=mode,
+                             first=first, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, epilogue_bytes))
+    given = [o for o in outs if not isinstance(o, jax.ShapeDtypeStruct)]
+    launch = functools.partial(mgpu.kernel, body, programs=mgpu.programs(items), compute_threads=COMPUTE_WGS)
+    if not given:
+        return list(launch(out_type=tuple(outs))(a, b))
+    refs = mgpu.in_place(given)
+    launch(out_type=())(a, b, *refs)
+    return [r[...] for r in refs]

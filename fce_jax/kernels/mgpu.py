@@ -1,0 +1,121 @@
+"""Pallas Mosaic GPU launches (TMA operand loads, warp-specialized wgmma pipelines, persistent programs) and
+their CPU run in Mosaic GPU's interpret mode. The torch counterpart: fce_torch/kernels/tma.py (Triton's TMA).
+
+The interpreter needs four things the GPU gives for free, set here once:
+- a core count (the CPU device has none): two programs, so that the persistent loops loop;
+- zeros for a TMA load past an array's end (`out_of_bounds_reads="uninitialized"`, zero-filled memory), as the
+  tensor memory accelerator reads them;
+- the in-bounds part of a TMA store that crosses an array's end, which the hardware writes and the
+  interpreter (jax 0.10 and 0.11) drops whole (`_store_in_bounds_part`);
+- wgmma of a transposed shared-memory operand (`plgpu.transpose_ref`, dW's dZᵀ), which its wgmma does not read
+  (`_wgmma_reads_transposes`).
+"""
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from .launch import interpret_mode
+
+SHARED_BYTES = 216 * 1024  # of the H200's 227 KiB per block: the pipeline's stages and the epilogue's tiles
+INTERPRETER_PROGRAMS = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _cores():
+    return jax.devices()[0].core_count
+
+
+def programs(items):
+    """Persistent programs for `items` work items: at most one per streaming multiprocessor."""
+    return max(1, min(items, INTERPRETER_PROGRAMS if interpret_mode() else _cores()))
+
+
+def transforms(block_minor, dtype):
+    """The SMEM tiling and swizzle of a block whose minor dimension holds `block_minor` elements."""
+    swizzle = plgpu.find_swizzle(block_minor * jax.numpy.dtype(dtype).itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // jax.numpy.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def stages(cfg, per_stage_bytes, fixed_bytes):
+    """The pipeline depth: cfg.num_stages, fewer where that many stages would not fit next to `fixed_bytes`."""
+    return max(1, min(cfg.num_stages, (SHARED_BYTES - fixed_bytes) // per_stage_bytes))
+
+
+def kernel(body, *, out_type, programs, compute_threads):
+    """A Mosaic GPU kernel of `programs` blocks named "sm", each of `compute_threads` compute warpgroups and
+    one memory warpgroup named "wg". Operands that are `jax.Ref`s are updated in place."""
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    interpret = False
+    if interpret_mode():
+        _store_in_bounds_part()
+        _wgmma_reads_transposes()
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+    mesh = plgpu.Mesh(grid=(programs,), grid_names=("sm",), num_threads=compute_threads + 1, thread_name="wg")
+    return pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=params, interpret=interpret)
+
+
+def in_place(ref_values):
+    """`jax.Ref`s in global memory holding these arrays, for a kernel to update."""
+    return [jax.new_ref(v, memory_space=plgpu.GMEM) for v in ref_values]
+
+
+@functools.cache
+def _store_in_bounds_part():
+    """The interpreter's TMA store (`copy_smem_to_gmem`) writes the part of the block inside the array, as the
+    hardware does, instead of skipping a block that crosses the array's end."""
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory
+
+    store = shared_memory.GPUSharedMemory.store_buffer_content
+
+    def store_in_bounds(self, key, rnge, value, global_core_id, increment_clock=True, logging_info=None):
+        done = store(self, key, rnge, value, global_core_id, increment_clock, logging_info)
+        if not done[0]:
+            with self.lock:
+                self.mem[key].set_in_bounds_portion(rnge, value)
+        return done
+
+    shared_memory.GPUSharedMemory.store_buffer_content = store_in_bounds
+
+
+@functools.cache
+def _wgmma_reads_transposes():
+    """The interpreter's wgmma, acc += a @ b on its shared-memory operands, also for an operand read through
+    `plgpu.transpose_ref` (jax 0.10 and 0.11 read only sliced operands)."""
+    import numpy as np
+    from jax._src.pallas.mosaic.interpret import utils
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
+    from jax._src.state.types import TransposeTransform
+
+    wgmma = cb.wgmma
+
+    def read(memory, key, transforms, thread):
+        transforms = cb._remove_noop_transforms(transforms)
+        perms = [t.permutation for t in transforms if isinstance(t, TransposeTransform)]
+        rest = jax.tree.map(int, tuple(t for t in transforms if not isinstance(t, TransposeTransform)))
+        value = memory.get_buffer_content(cb.HostAllocationKey.from_array(key), utils.to_range(rest), thread)[0]
+        for perm in perms:
+            value = np.transpose(value, perm)
+        return value
+
+    def wgmma_any(*, token, device_id, thread_id, acc_allocation_key_as_array, acc_transforms, acc_dtype,
+                  a_allocation_key_as_array, a_transforms, b_allocation_key_as_array, b_transforms, **kw):
+        if not any(isinstance(t, TransposeTransform) for t in (*a_transforms, *b_transforms)):
+            return wgmma(token=token, device_id=device_id, thread_id=thread_id,
+                         acc_allocation_key_as_array=acc_allocation_key_as_array, acc_transforms=acc_transforms,
+                         acc_dtype=acc_dtype, a_allocation_key_as_array=a_allocation_key_as_array,
+                         a_transforms=a_transforms, b_allocation_key_as_array=b_allocation_key_as_array,
+                         b_transforms=b_transforms, **kw)
+        memory = cb._get_shared_memory()
+        thread = memory.get_global_thread_id(int(device_id), int(thread_id))
+        a = read(memory, a_allocation_key_as_array, a_transforms, thread)
+        b = read(memory, b_allocation_key_as_array, b_transforms, thread)
+        acc_key = cb.HostAllocationKey.from_array(acc_allocation_key_as_array)
+        acc_range = utils.to_range(jax.tree.map(int, cb._remove_noop_transforms(acc_transforms)))
+        acc = memory.get_buffer_content(acc_key, acc_range, thread)[0]
+        memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype), thread)
+        return token
+
+    cb.wgmma = wgmma_any
