@@ -52,17 +52,14 @@ FUSED_SOFTCAP_WITH_SMOOTHING = 43.0
 FUSED_SOFTCAP_WITH_SMOOTHING_F16 = 4.8
 
 
-def check_engine(engine, *, label_smoothing=0.0, softcap=None, vocab_parallel=False,
-                 dtype="float32") -> None:
-    """`engine` is "library" or "fused"; the fused engine does not yet run vocab-parallel, and it takes label
-    smoothing only under a softcap of at most FUSED_SOFTCAP_WITH_SMOOTHING (float16 inputs, whose tile values
-    are float16: FUSED_SOFTCAP_WITH_SMOOTHING_F16). docs/NUMERICS.md, "The fused engine"."""
+def check_engine(engine, *, label_smoothing=0.0, softcap=None, dtype="float32") -> None:
+    """`engine` is "library" or "fused"; the fused engine takes label smoothing only under a softcap of at most
+    FUSED_SOFTCAP_WITH_SMOOTHING (float16 inputs, whose tile values are float16: FUSED_SOFTCAP_WITH_SMOOTHING_F16).
+    docs/NUMERICS.md, "The fused engine"."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine != "fused":
         return
-    if vocab_parallel:
-        raise ValueError('engine="fused" does not run vocab-parallel yet; use engine="library"')
     limit = FUSED_SOFTCAP_WITH_SMOOTHING_F16 if dtype == "float16" else FUSED_SOFTCAP_WITH_SMOOTHING
     if label_smoothing > 0 and softcap is not None and softcap > limit:
         raise ValueError(f'engine="fused" takes label_smoothing with a softcap of at most {limit} for {dtype} '

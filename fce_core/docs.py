@@ -4,7 +4,7 @@ decorator that assembles a function's docstring from them and its framework's ow
 ENGINE_ARG = """\
     engine: "library" (default: a library logits GEMM into float32 logits, then our row passes) or "fused"
         (our logits GEMM with the row statistics in its epilogue, storing 16-bit exp-scaled tile values
-        instead of float32 logits: less memory; not yet vocab-parallel). Both compute the same math within
+        instead of float32 logits: less memory; vocab-parallel too). Both compute the same math within
         SPEC's bounds; their bits differ (docs/NUMERICS.md, "The fused engine").
 """
 

@@ -37,19 +37,28 @@ class VocabShards:
         """Targets as this shard's columns (outside [0, V_local) where another shard owns them)."""
         return y - self.offset
 
+    def owns(self, y, vocab_local):
+        """Whether this shard (`vocab_local` columns) holds each row's target."""
+        local = self.local_targets(y)
+        return (local >= 0) & (local < vocab_local)
+
+    def owner_values(self, v, y, vocab_local):
+        """Every row's float32 `v` from the shard that owns its target (v computed at that target on each shard,
+        0 where not owned): selected, not summed."""
+        parts = self.gather(self.xp.where(self.owns(y, vocab_local), v, 0.0))
+        out = parts[0]
+        for r in range(1, self.size):
+            out = self.xp.where((y >= self.offsets[r]) & (y < self.offsets[r + 1]), parts[r], out)
+        return out
+
     def target_logits(self, z, y, bias):
         """The raw target logit of every row (bias added), from the shard that owns it: selected, not summed."""
         xp, local = self.xp, self.local_targets(y)
-        mine = (local >= 0) & (local < z.shape[1])
-        safe = xp.where(mine, local, 0)
+        safe = xp.where(self.owns(y, z.shape[1]), local, 0)
         r_y = xp.take_rows(z, safe)
         if bias is not None:
             r_y = r_y + xp.f32(bias[safe])
-        parts = self.gather(xp.where(mine, r_y, 0.0))
-        out = parts[0]
-        for r in range(1, self.size):
-            out = xp.where((y >= self.offsets[r]) & (y < self.offsets[r + 1]), parts[r], out)
-        return out
+        return self.owner_values(r_y, y, z.shape[1])
 
     def merge(self, stats):
         """The rows' statistics from this shard's (m, s, amax, q, pz; zy, from the owner's target logit, is the

@@ -47,8 +47,7 @@ def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction=
     and bias."""
     check_options(reduction, label_smoothing, z_loss, softcap)
     hidden, vocab = check_tensors(x, weight, targets, bias, class_weights)
-    check_engine(engine, label_smoothing=label_smoothing, softcap=softcap,
-                 vocab_parallel=vocab_parallel is not None, dtype=jnp.dtype(x.dtype).name)
+    check_engine(engine, label_smoothing=label_smoothing, softcap=softcap, dtype=jnp.dtype(x.dtype).name)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index, class_weights)
     opt = FlceOptions(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),

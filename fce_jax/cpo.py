@@ -102,7 +102,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         return sharding.run(mesh_layout, call, (x, weight, targets, bias),
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (P(), stats_spec) if return_stats else P())
-    check_engine(engine, vocab_parallel=vocab_parallel is not None)
+    check_engine(engine)
     _, vocab = check_tensors(x, weight, targets, bias)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)

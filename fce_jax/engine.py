@@ -110,21 +110,26 @@ class _Sweep:
 
     def fused_chunk(self, acc, x_c, inputs, r0, trace):
         """`chunk` on the fused engine: the tile values go into the kept dZ rows (or a new [rows, V] array in
-        the input dtype, not written without gradients) and dZ overwrites them."""
-        y, vocab = inputs["y"], self.w.shape[0]
+        the input dtype, not written without gradients) and dZ overwrites them. Vocab-parallel, the target
+        logit is the owner shard's and the shards' statistics are merged, as in `chunk`."""
+        y, vocab, comm = inputs["y"], self.w.shape[0], self.comm
+        local = y if comm is None else comm.local_targets(y)
         need = any(self.grads)
         into, row0 = (acc, r0) if self.keep else (None, 0)
-        e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, y, vocab), self.class_weights,
+        e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, local, vocab), self.class_weights,
                                spec=self.head.stats, transform=self.transform, precision=gemm.pallas_precision(x_c),
                                into=into, row0=row0, store=need)
-        stats = merge_tiles(parts, vocab, self.tile_weights)
+        zy = None if comm is None else comm.owner_values(jnp.max(parts["zy"], axis=1), y, vocab)
+        stats = merge_tiles(parts, vocab, self.tile_weights, zy=zy)
+        if comm is not None:
+            stats = comm.merge(stats)
         out = self.head.fn(stats, inputs)
         rows = slice(r0, r0 + x_c.shape[0]) if self.keep else slice(None)
         if trace is not None and need:
             trace["tiles"] = e[rows]
         if not need:
             return acc, out, None
-        dz = tile_dlogits(e, parts["m"], y, stats["zy"], self.class_weights, out, transform=self.transform,
+        dz = tile_dlogits(e, parts["m"], local, stats["zy"], self.class_weights, out, transform=self.transform,
                           row0=row0)
         if trace is not None:
             trace["dlogits"] = dz[rows]
@@ -156,7 +161,11 @@ class _Sweep:
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32)."""
         need_dx, need_dw, _ = self.grads
         precision = gemm.pallas_precision(dz)
-        dx = dx_gemm(dz, self.w, x_rows.dtype, precision) if need_dx else None
+        dx = None
+        if need_dx and self.comm is not None:
+            dx = self.comm.sum_parts(dx_gemm(dz, self.w, F32, precision)).astype(x_rows.dtype)
+        elif need_dx:
+            dx = dx_gemm(dz, self.w, x_rows.dtype, precision)
         if need_dw and self.single:
             dw = dw_gemm(dz, x_rows, self.w.dtype, precision)
         elif need_dw:

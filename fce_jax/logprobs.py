@@ -65,7 +65,7 @@ def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, so
         return sharding.run(mesh_layout, call, (x, weight, targets, bias),
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (rows, rows) if return_entropy else rows)
-    check_engine(engine, vocab_parallel=vocab_parallel is not None)
+    check_engine(engine)
     hidden, vocab = check_tensors(x, weight, targets, bias)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)

@@ -52,8 +52,7 @@ def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction=
     weight, bias, class_weights, vp_group, vp_offsets = resolve(weight, bias, class_weights, vocab_parallel)
     check_tensors(x, weight, targets, bias, class_weights)
     x2, w, y, b, cw = prepare(x, weight, targets, bias, class_weights)
-    check_engine(engine, label_smoothing=label_smoothing, softcap=softcap, vocab_parallel=vp_group is not None,
-                 dtype=str(x2.dtype).removeprefix("torch."))
+    check_engine(engine, label_smoothing=label_smoothing, softcap=softcap, dtype=str(x2.dtype).removeprefix("torch."))
     norm = normalizer_tensor(normalizer, x.device) if reduction == "mean" else None
     args = (x2, w, b, y, cw, norm, int(ignore_index), reduction, float(label_smoothing), float(z_loss),
             None if softcap is None else float(softcap), bool(token_scaling), chunk_rows, engine, bool(validate),

@@ -127,7 +127,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
     check_cpo_options(loss_type, beta, alpha, label_smoothing, LOSS_TYPES)
     check_pair_batch(describe(x))
     weight, bias, _, vp_group, vp_offsets = resolve(weight, bias, None, vocab_parallel)
-    check_engine(engine, vocab_parallel=vp_group is not None)
+    check_engine(engine)
     check_tensors(x, weight, targets, bias)
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")

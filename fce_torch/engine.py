@@ -71,9 +71,13 @@ class _Grads:
 
     def _add_own(self, dz, r0, r1):
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
-        accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32)."""
+        accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); vocab-parallel,
+        dX from the shards' float32 parts as in `add`."""
         x_rows, precision = self.x[r0:r1], gemm.triton_precision(dz)
-        if self.need_dx:
+        if self.need_dx and self.comm is not None:
+            part = dx_gemm(dz, self.w, torch.empty(r1 - r0, self.x.shape[1], device=dz.device, dtype=F32), precision)
+            self.dx[r0:r1] = self.comm.sum_parts(part)
+        elif self.need_dx:
             dx_gemm(dz, self.w, self.dx[r0:r1], precision)
         if self.need_dw:
             if self.single:
@@ -179,7 +183,8 @@ class _ChunkRunner:
 
 class _FusedChunkRunner(_ChunkRunner):
     """The same chunk on the fused engine: the tile values take the kept rows (or a new [rows, V] array in the
-    input dtype) and dZ overwrites them."""
+    input dtype) and dZ overwrites them. Vocab-parallel, the target logit is the owner shard's and the shards'
+    statistics are merged, as in `_ChunkRunner`."""
 
     def __init__(self, w, bias, class_weights, head, transform, grads, trace, comm):
         super().__init__(w, bias, class_weights, head, transform, grads, trace, comm)
@@ -187,17 +192,21 @@ class _FusedChunkRunner(_ChunkRunner):
                                                                               gemm_config().tile_n)
 
     def __call__(self, x_c, inputs, add, dz_rows):
-        y, vocab = inputs["y"], self.w.shape[0]
-        e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, y, vocab), self.cw,
+        y, vocab, comm = inputs["y"], self.w.shape[0], self.comm
+        local = y if comm is None else comm.local_targets(y)
+        e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, local, vocab), self.cw,
                                spec=self.head.stats, transform=self.transform, precision=gemm.triton_precision(x_c),
                                out=dz_rows, store=self.need_grads)
-        stats = merge_tiles(parts, vocab, self.tile_weights)
+        zy = None if comm is None else comm.owner_values(parts["zy"].amax(dim=1), y, vocab)
+        stats = merge_tiles(parts, vocab, self.tile_weights, zy=zy)
+        if comm is not None:
+            stats = comm.merge(stats)
         out = self.head.fn(stats, inputs)
         trace, self.trace = self.trace, None
         if trace is not None and e is not None:
             trace["tiles"] = e.clone()
         if self.need_grads:
-            tile_dlogits(e, parts["m"], y, stats["zy"], self.cw, out, transform=self.transform)
+            tile_dlogits(e, parts["m"], local, stats["zy"], self.cw, out, transform=self.transform)
             del parts, stats  # the [rows, tiles] partials are free before the dX planes and dW take memory
             if trace is not None:
                 trace["dlogits"] = e.clone()

@@ -100,7 +100,7 @@ def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, so
     check_softcap(softcap)
     check_temperature(temperature)
     weight, bias, _, vp_group, vp_offsets = resolve(weight, bias, None, vocab_parallel)
-    check_engine(engine, vocab_parallel=vp_group is not None)
+    check_engine(engine)
     check_tensors(x, weight, targets, bias)
     lead = tuple(targets.shape)
     x2, w, y, b, _ = prepare(x, weight, targets, bias)

@@ -34,12 +34,17 @@ def cases(device: str) -> list:
         return [Case("vp_all_options_f32", (37,), 32, 1024, "float32", bias=True, label_smoothing=0.1,
                      z_loss=1e-4, softcap=30.0, class_weights=True, logit_scale=30.0, seed=41),
                 Case("vp_none_bf16", (2, 9), 32, 512, "bfloat16", reduction="none", seed=42),
+                Case("vp_fused_all_options_bf16", (37,), 32, 1024, "bfloat16", bias=True, label_smoothing=0.1,
+                     z_loss=1e-4, softcap=30.0, class_weights=True, logit_scale=30.0, engine="fused", seed=47),
                 LogprobCase("vp_logprobs_f32", (29,), 32, 1024, "float32", bias=True, softcap=20.0,
                             temperature=0.7, logit_scale=20.0, seed=43)]
     return [Case("vp_bf16_16k_4k_128k", (16384,), 4096, 128256, "bfloat16", seed=44),
             Case("vp_bf16_8k_2304_256k_all_options", (8192,), 2304, 256000, "bfloat16", bias=True,
                  label_smoothing=0.1, z_loss=1e-4, softcap=30.0, class_weights=True, logit_scale=30.0, seed=45),
-            LogprobCase("vp_logprobs_bf16_8k_4k_152k", (8192,), 4096, 151936, "bfloat16", temperature=0.7, seed=46)]
+            LogprobCase("vp_logprobs_bf16_8k_4k_152k", (8192,), 4096, 151936, "bfloat16", temperature=0.7, seed=46),
+            Case("vp_fused_bf16_16k_4k_128k", (16384,), 4096, 128256, "bfloat16", engine="fused", seed=48),
+            LogprobCase("vp_fused_logprobs_bf16_8k_4k_152k", (8192,), 4096, 151936, "bfloat16", temperature=0.7,
+                        engine="fused", seed=49)]
 
 
 def _case(name: str, device: str):

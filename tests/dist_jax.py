@@ -39,7 +39,7 @@ def errors(got, ref):
     return {k: rel_err(np.asarray(got[k]), ref[k]) for k in got}
 
 
-def shard_map_case(size):
+def shard_map_case(size, engine="library"):
     """One program per loss: XLA's CPU runtime may start independent collectives of one program in different
     orders on different devices (seen: a stalled rendezvous), which the GPU runtime orders."""
     x, w, b, cw, y = inputs()
@@ -57,20 +57,20 @@ def shard_map_case(size):
 
     def flce(x, w, b, cw):
         return jax.value_and_grad(lambda x, w, b: fce_jax.fused_lce(x, w, y, bias=b, class_weights=cw,
-                                                                     vocab_parallel=vp, **OPTS),
+                                                                     vocab_parallel=vp, engine=engine, **OPTS),
                                   argnums=(0, 1, 2))(x, w, b)
 
     def logprobs(x, w):
         def total(x, w):
             logp, ent = fce_jax.fused_token_logprobs(x, w, y, temperature=0.7, return_entropy=True,
-                                                     vocab_parallel=vp, chunk_rows=8)
+                                                     vocab_parallel=vp, chunk_rows=8, engine=engine)
             return jnp.sum(logp * g + ent), (logp, ent)
         (_, rows), grads = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(x, w)
         return rows, grads
 
     def cpo(x, w):
         return jax.value_and_grad(lambda x, w: fce_jax.fused_cpo_loss(x.reshape(4, 8, H), w, y.reshape(4, 8),
-                                                                       vocab_parallel=vp, chunk_rows=8),
+                                                                       vocab_parallel=vp, chunk_rows=8, engine=engine),
                                   argnums=(0, 1))(x, w)
 
     (loss, (dx, dw, db)), same_f = run(flce, (rep, shard, shard, shard), (rep, (rep, shard, shard)), x, w, b, cw)
@@ -145,6 +145,7 @@ def missing_vocab_parallel_case():
 
 if __name__ == "__main__":
     result = {"shard_map_2": shard_map_case(2), "shard_map_4": shard_map_case(4),
+              "shard_map_fused_2": shard_map_case(2, engine="fused"),
               "jit_model": jit_case((4,), ("model",), P()),
               "jit_data_model": jit_case((2, 4), ("data", "model"), P("data")),
               "data_parallel": data_parallel_case(), "missing_vocab_parallel_refused": missing_vocab_parallel_case()}

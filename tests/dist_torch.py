@@ -3,6 +3,7 @@
 Every worker builds the same global inputs from a seed, takes its rank's share, runs fce_torch and returns the
 results of its rank; the test compares them with the float64 reference of the global problem.
 """
+import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -36,8 +37,9 @@ def _leaves(*tensors):
     return [t.detach().clone().requires_grad_(True) for t in tensors]
 
 
-def vocab_parallel(rank, size):
-    """fused_lce (mean, every option), fused_token_logprobs and fused_cpo_loss on equal vocabulary shards."""
+def vocab_parallel(rank, size, engine="library"):
+    """fused_lce (mean, every option), fused_token_logprobs and fused_cpo_loss on equal vocabulary shards, on
+    `engine`."""
     import fce_torch
 
     inp = inputs()
@@ -45,17 +47,19 @@ def vocab_parallel(rank, size):
     vp = fce_torch.VocabParallel()
     x, w, b = _leaves(inp["x"], inp["w"][shard], inp["b"][shard])
     loss, stats = fce_torch.fused_lce(x, w, inp["y"], bias=b, class_weights=inp["cw"][shard], label_smoothing=0.1,
-                                      z_loss=1e-3, softcap=15.0, vocab_parallel=vp, chunk_rows=8, return_stats=True)
+                                      z_loss=1e-3, softcap=15.0, vocab_parallel=vp, chunk_rows=8, return_stats=True,
+                                      engine=engine)
     loss.backward()
     out = {"loss": loss, "lse": stats["lse"], "argmax": stats["argmax"], "dx": x.grad, "dw": w.grad, "db": b.grad}
     x, w = _leaves(inp["x"], inp["w"][shard])
     g = torch.linspace(-1.0, 1.0, N)
     logp, ent = fce_torch.fused_token_logprobs(x, w, inp["y"], temperature=0.7, return_entropy=True,
-                                               vocab_parallel=vp, chunk_rows=8)
+                                               vocab_parallel=vp, chunk_rows=8, engine=engine)
     (logp * g + ent).sum().backward()
     out.update(logp=logp, entropy=ent, lp_dx=x.grad, lp_dw=w.grad)
     x, w = _leaves(inp["x"][:28], inp["w"][shard])
-    cpo = fce_torch.fused_cpo_loss(x.view(4, 7, H), w, inp["y"][:28].view(4, 7), vocab_parallel=vp, chunk_rows=8)
+    cpo = fce_torch.fused_cpo_loss(x.view(4, 7, H), w, inp["y"][:28].view(4, 7), vocab_parallel=vp, chunk_rows=8,
+                                   engine=engine)
     cpo.backward()
     out.update(cpo=cpo, cpo_dx=x.grad, cpo_dw=w.grad)
     return out
@@ -161,6 +165,7 @@ def fsdp_tied_head_unit_refused(rank, size):
     return {"refused": torch.tensor(0.0)}
 
 
-JOBS = {"vocab_parallel": vocab_parallel, "dtensor": dtensor, "normalizer": normalizer,
+JOBS = {"vocab_parallel": vocab_parallel, "vocab_parallel_fused": functools.partial(vocab_parallel, engine="fused"),
+        "dtensor": dtensor, "normalizer": normalizer,
         "fsdp_head_unit": fsdp_head_unit, "fsdp_root": fsdp_root, "fsdp_grouped_tied": fsdp_grouped_tied,
         "fsdp_tied_head_unit_refused": fsdp_tied_head_unit_refused}

@@ -26,7 +26,7 @@ def _within(errors):
         assert err <= tol, f"{k}: {err:.2e} > {tol:.0e}"
 
 
-@pytest.mark.parametrize("case", ["shard_map_2", "shard_map_4"])
+@pytest.mark.parametrize("case", ["shard_map_2", "shard_map_4", "shard_map_fused_2"])
 def test_vocab_parallel_in_shard_map(results, case):
     res = results[case]
     for loss in ("flce", "logprobs", "cpo"):

@@ -17,8 +17,8 @@ plans its chunks and `fce_core.contract.check_engine` its refusals.
   coefficient rows, elementwise within the rounding of e and of dZ). Their inputs lie on a coarse binary grid
   so that the float32 GEMM is exact: m, zy and the argmax (planted ties across and within tiles) compare
   exactly; and that fused_lce's engine="fused" runs them (its stages hold tile values, not float32 logits);
-- bad input (an unknown engine, the refused softcap with label smoothing, vocab-parallel through
-  `check_engine`) and determinism (two runs, two compilations in JAX, give the same bits).
+- bad input (an unknown engine, the refused softcap with label smoothing, through `check_engine`) and
+  determinism (two runs, two compilations in JAX, give the same bits). Vocab-parallel: tests/dist_*.py.
 
 """
 
@@ -588,17 +588,14 @@ def test_fused_refuses_large_softcap_with_smoothing(twin, dtype, softcap):
 
 
 def test_check_engine():
-    """The contract's engine checks: the names, vocab-parallel refused for the fused engine only, and the
-    softcap limit with label smoothing (none without smoothing or without a softcap)."""
+    """The contract's engine checks: the names, and the fused engine's softcap limit with label smoothing (none
+    without smoothing or without a softcap)."""
     for engine in ("library", "fused"):
         check_engine(engine)
         check_engine(engine, label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING)
         check_engine(engine, label_smoothing=0.0, softcap=1000.0)
         check_engine(engine, label_smoothing=1.0, softcap=None)
-    check_engine("library", vocab_parallel=True)
     check_engine("library", label_smoothing=0.1, softcap=50.0)
-    with pytest.raises(ValueError, match="vocab-parallel"):
-        check_engine("fused", vocab_parallel=True)
     with pytest.raises(ValueError, match="softcap"):
         check_engine("fused", label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING * 1.0001)
     check_engine("fused", label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING_F16, dtype="float16")
@@ -676,7 +673,8 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
     exact_dx = dz.double() @ w.double()
     sums = [dz[:20].double().T @ x[:20].double(), dz[20:].double().T @ x[20:].double()]
     want = {"dx": exact_dx.to(dt), "dx_one_slice": (dz[:, :200].double() @ w[:200].double()).to(dt),
-            "dw": (sums[0] + sums[1]).to(dt), "acc": _pair_after(sums) if dt == torch.bfloat16 else ((sums[0] + sums[1]).float(),)}
+            "dw": (sums[0] + sums[1]).to(dt),
+            "acc": _pair_after(sums) if dt == torch.bfloat16 else ((sums[0] + sums[1]).float(),)}
 
     def jax_run(cfg):
         jdt = getattr(jnp, dtype)

@@ -134,16 +134,6 @@ def test_unknown_engine_raises(twin):
         twin.logprobs_call(*(twin.array(inp[k]) for k in ("x", "weight", "targets")), engine="cuda")
 
 
-def test_fused_engine_refuses_vocab_parallel():
-    """engine="fused" with vocab parallelism is refused before the axis is touched (fce_jax here; fce_torch
-    calls the same `fce_core.contract.check_engine`, tested in tests/test_fused_engine.py)."""
-    import fce_jax
-
-    inp = make_logprob_inputs(CASES["f32_bias"])
-    with pytest.raises(ValueError, match="vocab-parallel"):
-        JAX.logprobs_call(*(JAX.array(inp[k]) for k in ("x", "weight", "targets")), engine="fused",
-                          vocab_parallel=fce_jax.VocabParallel("model"))
-
 
 @pytest.mark.parametrize("name", ["f32_bias", "bf16_3d"])
 def test_twins_agree(name):

@@ -15,11 +15,11 @@ def _run(*args):
 
 
 def test_parity_vocab_parallel(tmp_path):
-    done = _run("parity", "--vocab-parallel", "2", "--device", "cpu", "--case", "vp_logprobs_f32,vp_none_bf16",
-                "--out", str(tmp_path))
+    done = _run("parity", "--vocab-parallel", "2", "--device", "cpu", "--case",
+                "vp_logprobs_f32,vp_none_bf16,vp_fused_all_options_bf16", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "parity.json").read_text())
-    assert [e["case"] for e in result["cases"]] == ["vp_none_bf16", "vp_logprobs_f32"]
+    assert [e["case"] for e in result["cases"]] == ["vp_none_bf16", "vp_fused_all_options_bf16", "vp_logprobs_f32"]
     for entry in result["cases"]:
         assert entry["violations"] == [] and entry["outputs"]
         for rec in entry["outputs"].values():

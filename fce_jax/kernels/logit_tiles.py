@@ -150,15 +150,15 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
     return e if store else None, dict(zip(names, parts))
 
 
-def merge_tiles(parts, vocab, tile_weights=None, cfg=None):
+def merge_tiles(parts, vocab, tile_weights=None, cfg=None, zy=None):
     """The rows' statistics {m, s, zy, amax[, q][, pz]} ([n] each, as `row_stats` + `pairwise_sum` give them)
-    from the [n, T] partials of `logit_tiles` (see fce_torch's `merge_tiles`)."""
+    from the [n, T] partials of `logit_tiles` (see fce_torch's `merge_tiles`, and its `zy`)."""
     tile_n = gemm_config(cfg).tile_n
     m_t = parts["m"]
     n, n_tiles = m_t.shape
     big = jnp.max(m_t, axis=1)
     first = jnp.argmax(m_t == big[:, None], axis=1)
-    stats = {"m": big, "zy": jnp.max(parts["zy"], axis=1),
+    stats = {"m": big, "zy": jnp.max(parts["zy"], axis=1) if zy is None else zy,
              "amax": jnp.take_along_axis(parts["amax"], first[:, None], axis=1)[:, 0]}
     names = [k for k in ("s", "q", "pz") if k in parts]
     if n == 0:

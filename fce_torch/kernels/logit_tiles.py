@@ -152,18 +152,20 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
     return e, parts
 
 
-def merge_tiles(parts, vocab, tile_weights=None, cfg=None):
+def merge_tiles(parts, vocab, tile_weights=None, cfg=None, zy=None):
     """The rows' statistics {m, s, zy, amax[, q][, pz]} ([n] each, as `row_stats` + `pairwise_sum` give them)
     from the [n, T] partials of `logit_tiles`: the max over tiles; the first tile holding it gives the argmax;
     s (and pz) rescaled to the row max and q shifted to z_y by the tile's class weight sum (`tile_weights`
     [T], `fce_core.rows.tile_weights`; without class weights its column count), then `pairwise_sum` over the
-    tiles."""
+    tiles. `zy`: the rows' target logits where another shard may hold them (vocab-parallel: the owner's),
+    else the max of the tiles' (the one tile holding the target)."""
     tile_n = gemm_config(cfg).tile_n
     m_t = parts["m"]
     n, n_tiles = m_t.shape
     big = m_t.amax(dim=1)
     first = (m_t == big[:, None]).to(torch.int8).argmax(dim=1, keepdim=True)
-    stats = {"m": big, "zy": parts["zy"].amax(dim=1), "amax": parts["amax"].gather(1, first)[:, 0]}
+    stats = {"m": big, "zy": parts["zy"].amax(dim=1) if zy is None else zy,
+             "amax": parts["amax"].gather(1, first)[:, 0]}
     units = {k: torch.empty_like(m_t) for k in ("s", "q", "pz") if k in parts}
     if n:
         _merge_tiles_kernel[(triton.cdiv(n, TILE_ROWS.block), triton.cdiv(n_tiles, 128))](
