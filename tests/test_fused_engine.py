@@ -656,8 +656,9 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
     """The JAX twin's Mosaic GPU dX and dW kernels (GradGemmConfig.mosaic, run in Mosaic GPU's interpret mode):
     dX over several V slices and in one, dW written, and dW accumulated over two chunks (the (hi, lo) pair for
     bfloat16, float32 for float16). On exact-sum operands each is bit for bit the exact result rounded as the
-    contract says, as are the Pallas Triton kernels and fce_torch's. Ragged everywhere: 37 rows, V = 300 (K
-    not a multiple of tile_k), H = 40 (not a multiple of tile_n), chunks of 20 and 17 rows (dW's K)."""
+    contract says, as are the Pallas Triton kernels and fce_torch's. Ragged everywhere: 37 rows, V = 296 (K
+    not a multiple of tile_k; rows still of whole 16 bytes, as TMA needs), H = 40 (not a multiple of tile_n),
+    chunks of 20 and 17 rows (dW's K)."""
     import jax.numpy as jnp
 
     from fce_core.config import GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC_INTERPRETER
@@ -665,7 +666,7 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
     from fce_jax.kernels import grad_gemms as jg
     from fce_torch.kernels import grad_gemms as tg
 
-    n, v = 37, 300
+    n, v = 37, 296
     dt = getattr(torch, dtype)
     dz, w, x = _exact_grad_operands(n, hidden, v, dt, seed=hidden)
     assert dx_slices(n, hidden, v, GRAD_GEMM_MOSAIC_INTERPRETER) > 1
@@ -701,14 +702,47 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
             assert all(_same_bits(a, b) for a, b in pairs), (impl, key)
 
 
-def test_jax_mosaic_grad_gemms_refuse_float32():
+def test_jax_mosaic_grad_gemms_bad_input():
     """Mosaic GPU multiplies on wgmma only (float32 input: tf32): the IEEE float32 GEMM is refused, not
-    rounded silently."""
+    rounded silently; and rows that TMA cannot move (not whole 16 bytes: H = 20 in bfloat16) are refused
+    rather than faulting on the GPU."""
     import jax.numpy as jnp
 
     from fce_core.config import GRAD_GEMM_MOSAIC_INTERPRETER
     from fce_jax.kernels import grad_gemms as jg
 
-    a = jnp.ones((8, 16), jnp.float32)
+    cfg = GRAD_GEMM_MOSAIC_INTERPRETER
     with pytest.raises(ValueError, match="16-bit operands"):
-        jg.dx_gemm(a, jnp.ones((16, 8), jnp.float32), jnp.float32, cfg=GRAD_GEMM_MOSAIC_INTERPRETER)
+        jg.dx_gemm(jnp.ones((8, 16), jnp.float32), jnp.ones((16, 8), jnp.float32), jnp.float32, cfg=cfg)
+    with pytest.raises(ValueError, match="multiples of 16 bytes: B has rows of 20 bfloat16"):
+        jg.dx_gemm(jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 20), jnp.bfloat16), jnp.bfloat16, cfg=cfg)
+
+
+def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
+    """The Mosaic GPU kernels as the GPU builds them (its launch tiles, 132 programs), lowered for CUDA on this
+    CPU: Pallas' Mosaic GPU lowering and Mosaic GPU's layout inference accept every mode at the bench's shapes
+    (dX with and without V slices, dW written, the (hi, lo) pair started and accumulated, float32 accumulation
+    of float16). What is left for the GPU is the compilation to PTX and the run itself."""
+    import jax
+    import jax.numpy as jnp
+
+    from fce_core.config import GRAD_GEMM_MOSAIC as cfg
+    from fce_core.plan import dx_slices
+    from fce_jax.kernels import grad_gemms as jg
+    from fce_jax.kernels import mgpu
+
+    monkeypatch.setattr(mgpu, "interpret_mode", lambda: False)
+    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
+    s, bf, f16 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float16
+    for n, h, v in ((1024, 4096, 128256), (256, 4096, 128256), (1000, 640, 262144)):
+        dz, w, x, acc = s((n, v), bf), s((v, h), bf), s((n, h), bf), s((v, h), bf)
+        calls = [(lambda a, b: jg.dx_gemm(a, b, bf, cfg=cfg), dz, w),
+                 (lambda a, b: jg.dw_gemm(a, b, bf, cfg=cfg), dz, x),
+                 (lambda a, b: jg.dw_first(a, b, bf, cfg=cfg), dz, x),
+                 (lambda a, b, c, d: jg.dw_accumulate(a, b, (c, d), cfg=cfg), dz, x, acc, acc),
+                 (lambda a, b, c: jg.dw_accumulate(a, b, c, cfg=cfg), s((n, v), f16), s((n, h), f16),
+                  s((v, h), jnp.float32))]
+        for fn, *args in calls:
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text
+    assert dx_slices(256, 4096, 128256, cfg) > 1 and dx_slices(1024, 4096, 128256, cfg) == 1

@@ -65,7 +65,8 @@ def grad_rows(n, h, v, chunk=1024):
                 if twin == "torch":
                     fdx = lambda: tg.dx_gemm(dz, w, out, cfg=cfg)  # noqa: E731
                     fdw = lambda: tg.dw_gemm(dz, x, torch.bfloat16, cfg=cfg)  # noqa: E731
-                    facc = lambda: tg.dw_accumulate(dz, x, pair, cfg=cfg)  # noqa: E731
+                    timed = tuple(p.clone() for p in pair)  # the timing's own accumulator: `pair` stays as it is
+                    facc = lambda: tg.dw_accumulate(dz, x, timed, cfg=cfg)  # noqa: E731
                     got = dict(dx=fdx(), dw=fdw(), pair=tg.dw_accumulate(dz, x, tuple(p.clone() for p in pair),
                                                                          cfg=cfg))
                 else:

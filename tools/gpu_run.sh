@@ -9,7 +9,8 @@
 #   gputests  pytest on the GPU: torch.compile (inductor), the float32 policy, the tests marked gpu
 #   peers     the peers' own test files against the drop-ins (needs .peers/sdist and .peers/cce-main carried)
 #   parity    python -m parity          op, logprobs, cpo, sft, profile: python -m bench <job>
-# Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, LOGPROBS_ARGS, CPO_ARGS, SFT_ARGS;
+#   kernels   python tools/fused_kernels.py, the fused GEMMs one by one (KERNELS_ARGS="--grads 4096,4096,128256")
+# Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, LOGPROBS_ARGS, CPO_ARGS, SFT_ARGS, KERNELS_ARGS;
 # JOB_TIMEOUT (seconds, default 1800) bounds each job, <JOB>_TIMEOUT (e.g. PARITY_TIMEOUT) one of them.
 set -u
 out=${OUT:-out}
@@ -29,6 +30,7 @@ for job in "$@"; do
               timeout "$limit" python -m tests.peers --device cuda --offline --cce-tests main --only cce-main \
                 --json "$results/$job/peers-cce-main.json" ;;
     parity)   timeout "$limit" python -m parity --no-progress --out "$results/$job" ${PARITY_ARGS:-} ;;
+    kernels)  timeout "$limit" python tools/fused_kernels.py "$results/$job" ${KERNELS_ARGS:-} ;;
     op)       timeout "$limit" python -m bench op --out "$results/$job" ${OP_ARGS:-} ;;
     logprobs) timeout "$limit" python -m bench logprobs --out "$results/$job" ${LOGPROBS_ARGS:-} ;;
     cpo)      timeout "$limit" python -m bench cpo --out "$results/$job" ${CPO_ARGS:-} ;;

@@ -122,7 +122,15 @@ def _epilogue(acc, dst, smem, bars, mode, first, loads):
 
 def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg):
     """grad_gemms' `_run` on Mosaic GPU (mode WRITE / ADD / PAIR as there): outs all new (ShapeDtypeStructs) or
-    all given (updated in place as `jax.Ref`s). Returns the list of results."""
+    all given (updated in place as `jax.Ref`s). Returns the list of results. Every row of the operands and
+    outputs must be a multiple of 16 bytes (TMA), and m, n, k at least 1; else ValueError."""
+    if min(m, n, k) < 1:
+        raise ValueError(f"the Mosaic GPU GEMMs need m, n, k >= 1 (a K loop of no steps has no pipeline), "
+                         f"got {(m, n, k)}")
+    for name, arr in (("A", a), ("B", b), *((f"C{i}", o) for i, o in enumerate(outs))):
+        if arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16:
+            raise ValueError(f"the Mosaic GPU GEMMs load and store by TMA, whose rows are multiples of 16 bytes: "
+                             f"{name} has rows of {arr.shape[-1]} {jnp.dtype(arr.dtype).name} values")
     epi_rows = _epilogue_rows(cfg, mode == ADD or (mode == PAIR and not first))
     epilogue_bytes = sum(COMPUTE_WGS * epi_rows * cfg.tile_n * jnp.dtype(o.dtype).itemsize for o in outs)
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
