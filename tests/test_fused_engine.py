@@ -651,13 +651,14 @@ def _same_bits(a, b):
     return a.dtype == b.dtype and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
-@pytest.mark.parametrize("dtype, hidden", [("bfloat16", 40), ("float16", 64)])
+@pytest.mark.parametrize("dtype, hidden", [("bfloat16", 136), ("float16", 64)])
 def test_jax_mosaic_grad_gemms(dtype, hidden):
     """The JAX twin's Mosaic GPU dX and dW kernels (GradGemmConfig.mosaic, run in Mosaic GPU's interpret mode):
     dX over several V slices and in one, dW written, and dW accumulated over two chunks (the (hi, lo) pair for
     bfloat16, float32 for float16). On exact-sum operands each is bit for bit the exact result rounded as the
-    contract says, as are the Pallas Triton kernels and fce_torch's. Ragged everywhere: 37 rows, V = 296 (K
-    not a multiple of tile_k; rows still of whole 16 bytes, as TMA needs), H = 40 (not a multiple of tile_n),
+    contract says, as are the Pallas Triton kernels and fce_torch's; also with 256-wide tiles, whose loaded C
+    blocks (ADD, PAIR) outnumber the two shared-memory slots. Ragged everywhere: 37 rows, V = 296 (K
+    not a multiple of tile_k; rows still of whole 16 bytes, as TMA needs), H = 136 (not a multiple of tile_n),
     chunks of 20 and 17 rows (dW's K)."""
     import jax.numpy as jnp
 
@@ -691,7 +692,9 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
                 for k, a in out.items()}
 
     acc = tg.dw_accumulate(dz[20:], x[20:], tg.dw_first(dz[:20], x[:20], dt))
-    runs = {"jax mosaic": jax_run(GRAD_GEMM_MOSAIC_INTERPRETER), "jax triton": jax_run(GRAD_GEMM_INTERPRETER),
+    wide = dataclasses.replace(GRAD_GEMM_MOSAIC_INTERPRETER, tile_n=256)  # 4 loaded blocks: slots refilled
+    runs = {"jax mosaic": jax_run(GRAD_GEMM_MOSAIC_INTERPRETER), "jax mosaic wide": jax_run(wide),
+            "jax triton": jax_run(GRAD_GEMM_INTERPRETER),
             "torch": {"dx": tg.dx_gemm(dz, w, torch.empty(n, hidden, dtype=dt)),
                       "dx_one_slice": tg.dx_gemm(dz[:, :200].contiguous(), w[:200],
                                                  torch.empty(n, hidden, dtype=dt)),

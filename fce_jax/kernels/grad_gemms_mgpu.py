@@ -15,14 +15,15 @@ from .grad_gemms import ADD, F32, PAIR, WRITE
 
 COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
 EPILOGUE_ROWS = 64   # rows of a compute warpgroup's epilogue block in shared memory
+LOADED_COLS = 64     # columns of an epilogue block that C is loaded into (ADD, PAIR), two of them in flight
 
 
 def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first, cfg, stages_):
     """Output tiles of cfg.tile_m x cfg.tile_n on a persistent loop over (tile, slice) items. Per item, a
     warp-specialized pipeline over the slice's K steps (a memory warpgroup's TMA loads, two compute warpgroups'
     wgmma on their tile_m / 2 rows each), then each compute warpgroup's epilogue through shared memory and TMA
-    stores. C's blocks that ADD and PAIR read are loaded by TMA before the K loop, so that the load overlaps
-    it rather than stalling the epilogue."""
+    stores, block by block (`_blocks`). ADD and PAIR read C: its first two blocks are loaded by TMA before the
+    K loop (overlapping it), each later one as soon as the store two blocks before it has left its slot."""
     bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
     n_m, n_n = pl.cdiv(m, cfg.tile_m), pl.cdiv(n, bn)
     tiles = n_m * n_n
@@ -39,13 +40,13 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
             body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=stages_, compute_context=context)
 
-    epi_rows = _epilogue_rows(cfg, loads)
-    epi = [plgpu.SMEM((COMPUTE_WGS, epi_rows, bn), c.dtype, transforms=mgpu.transforms(bn, c.dtype))
+    blocks, (rows_e, cols_e), slots = _blocks(cfg, loads)
+    epi = [plgpu.SMEM((COMPUTE_WGS, slots, rows_e, cols_e), c.dtype, transforms=mgpu.transforms(cols_e, c.dtype))
            for c in c_gmem]
     allocs = pipeline(None, None, pl.cdiv(slice_k, bk)).get_allocations(a_gmem, b_gmem)
 
     @functools.partial(pl.run_scoped, allocs=allocs, epi=epi,
-                       bars=plgpu.Barrier(num_barriers=COMPUTE_WGS * len(c_gmem)), collective_axes="wg")
+                       bars=plgpu.Barrier(num_barriers=COMPUTE_WGS * slots * len(c_gmem)), collective_axes="wg")
     def _scope(allocs, epi, bars):
         wg = lax.axis_index("wg")
 
@@ -66,25 +67,36 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
                 return acc
 
             def context(run):
-                mine = [s.at[wg] for s in epi]
-                my_bars = [bars.at[wg * len(c_gmem) + i] for i in range(len(c_gmem))]
+                def dst(b):  # block b's part of C in global memory
+                    i, j = blocks[b]
+                    out = pl.ds(r0 + wg * bm + i * rows_e, rows_e), pl.ds(c0 + j * cols_e, cols_e)
+                    return [c.at[(sl, *out)] if planes else c.at[out] for c in c_gmem]
 
-                def block(e):
-                    out_rows = pl.ds(r0 + wg * bm + e * epi_rows, epi_rows)
-                    return [c.at[sl, out_rows, cols] if planes else c.at[out_rows, cols] for c in c_gmem]
+                def smem(b):
+                    return [s_.at[wg, b % slots] for s_ in epi]
 
-                if loads:  # one block, the warpgroup's whole tile
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for d, s_, b_ in zip(block(0), mine, my_bars):
+                def ready(b):  # the barriers of block b's loads
+                    return [bars.at[(wg * slots + b % slots) * len(c_gmem) + i] for i in range(len(c_gmem))]
+
+                def load(b):
+                    for d, s_, b_ in zip(dst(b), smem(b), ready(b)):
                         plgpu.copy_gmem_to_smem(d, s_, b_)
+
+                if loads:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores have left the slots
+                    for b in range(min(slots, len(blocks))):
+                        load(b)
 
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bn), F32))
                 def _acc(acc):
                     run(acc)
                     total = acc[...]
-                    for e in range(bm // epi_rows):
-                        _epilogue(total[e * epi_rows:(e + 1) * epi_rows], block(e), mine, my_bars, mode, first,
-                                  loads)
+                    for b, (i, j) in enumerate(blocks):
+                        part = total[i * rows_e:(i + 1) * rows_e, j * cols_e:(j + 1) * cols_e]
+                        _epilogue(part, dst(b), smem(b), ready(b) if loads else None, mode, first)
+                        if loads and b + slots < len(blocks):
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # block b's stores left its slot
+                            load(b + slots)
 
             a_src = a_gmem.at[ks, rows] if a_t else a_gmem.at[rows, ks]
             pipeline(mma, context, steps)(a_src, b_gmem.at[ks, cols], allocations=allocs)
@@ -92,17 +104,23 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _epilogue_rows(cfg, loads):
-    """Rows of a compute warpgroup's epilogue block: its whole tile when C is loaded first, else EPILOGUE_ROWS."""
+def _blocks(cfg, loads):
+    """A compute warpgroup's epilogue blocks: ([(row block, column block)], (rows, cols) of a block, slots in
+    shared memory). Blocks of EPILOGUE_ROWS full-width rows in one slot; where C is loaded (ADD, PAIR), blocks
+    of EPILOGUE_ROWS x LOADED_COLS in two slots, so that one block's load overlaps the other's arithmetic
+    without the whole tile in shared memory (which would leave room for one pipeline stage at 256 x 128)."""
     bm = cfg.tile_m // COMPUTE_WGS
-    return bm if loads else min(EPILOGUE_ROWS, bm)
+    rows = min(EPILOGUE_ROWS, bm)
+    cols = min(LOADED_COLS, cfg.tile_n) if loads else cfg.tile_n
+    return [(i, j) for i in range(bm // rows) for j in range(cfg.tile_n // cols)], (rows, cols), 2 if loads else 1
 
 
-def _epilogue(acc, dst, smem, bars, mode, first, loads):
+def _epilogue(acc, dst, smem, ready, mode, first):
     """One compute warpgroup's block of C from its float32 `acc`: written (WRITE), added to C (ADD), or the
-    (hi, lo) pair updated (PAIR), through its `smem` tiles into the `dst` blocks of global memory."""
-    if loads:
-        for b_ in bars:
+    (hi, lo) pair updated (PAIR), through its `smem` tiles (loaded from C, `ready` their barriers, when given)
+    into the `dst` blocks of global memory."""
+    if ready is not None:
+        for b_ in ready:
             plgpu.barrier_wait(b_)
     else:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read the tiles
@@ -131,8 +149,8 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg):
         if arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16:
             raise ValueError(f"the Mosaic GPU GEMMs load and store by TMA, whose rows are multiples of 16 bytes: "
                              f"{name} has rows of {arr.shape[-1]} {jnp.dtype(arr.dtype).name} values")
-    epi_rows = _epilogue_rows(cfg, mode == ADD or (mode == PAIR and not first))
-    epilogue_bytes = sum(COMPUTE_WGS * epi_rows * cfg.tile_n * jnp.dtype(o.dtype).itemsize for o in outs)
+    _, (rows_e, cols_e), slots = _blocks(cfg, mode == ADD or (mode == PAIR and not first))
+    epilogue_bytes = sum(COMPUTE_WGS * slots * rows_e * cols_e * jnp.dtype(o.dtype).itemsize for o in outs)
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
     items = pl.cdiv(m, cfg.tile_m) * pl.cdiv(n, cfg.tile_n) * slices
     body = functools.partial(_kernel, m=m, n=n, k=k, slice_k=slice_k, slices=slices, a_t=a_t, mode=mode,
