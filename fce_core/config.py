@@ -2,8 +2,9 @@
 
 A field whose value changes the bits of a result is listed in its class's ``NUMERICS`` (for instance the width
 of the per-row partial accumulators, whose fixed pairwise sum gives a row's sum of exponentials); the other
-fields only change speed. Both twins read the same instances, so their kernels agree by construction; the one
-exception, GRAD_GEMM_TORCH, differs from GRAD_GEMM in speed fields only (a test asserts it).
+fields only change speed. Both twins read the same instances, so their kernels agree by construction; the
+exceptions, each twin's launches of the gradient GEMMs (GRAD_GEMM_TORCH, GRAD_GEMM_MOSAIC*), differ from
+GRAD_GEMM in speed fields only (a test asserts it).
 """
 import dataclasses
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ class GradGemmConfig:
     num_stages: int = 3
     tma: bool = False
     persistent: bool = False
-    mosaic: bool = False  # the JAX twin's 16-bit GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms.py)
+    mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
 
 
 @dataclass(frozen=True)
@@ -126,11 +127,13 @@ GRAD_GEMM = GradGemmConfig()
 # Triton (tools/fused_kernels.py); the JAX twin's fused engine was slower on 128x256 tiles at N >= 16384 and at
 # H = 640 (bench/results/nvidia-h200/engine-tma/op-both-twins-128x256/), so it keeps GRAD_GEMM's.
 GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persistent=True)
-# The JAX twin's launch of the same GEMMs on Pallas Mosaic GPU, 16-bit operands (NUMERICS as GRAD_GEMM): two
-# compute warpgroups on 128 of a tile's 256 rows each, TMA loads, persistent programs. Opt-in (GradGemmConfig.mosaic)
-# until measured on the GPU: it has run in Mosaic GPU's interpret mode only.
-GRAD_GEMM_MOSAIC = dataclasses.replace(GRAD_GEMM, tile_m=256, tile_n=128, num_stages=4, tma=True, persistent=True,
+# The JAX twin's launch of the same GEMMs on Pallas Mosaic GPU, its default for 16-bit operands on the GPU
+# (NUMERICS as GRAD_GEMM): two compute warpgroups on half a tile's rows each, TMA loads, persistent programs.
+# dX on 256x128 tiles, dW (written or accumulated) on 128x256, 3 stages: the fastest launch of each at every
+# shape of bench/results/nvidia-h200/mosaic-grads/fused_kernels.json, bit for bit fce_torch's there.
+GRAD_GEMM_MOSAIC = dataclasses.replace(GRAD_GEMM, tile_m=256, tile_n=128, num_stages=3, tma=True, persistent=True,
                                        mosaic=True)
+GRAD_GEMM_MOSAIC_DW = dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256)
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)
 # Other launch tiles than the JAX twin's in the CPU tests too: the twins' bits must not depend on them.

@@ -2,8 +2,9 @@
 
 The first statements run before any test module imports triton or jax: on a machine without an NVIDIA GPU
 they select the Triton interpreter (``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` is defined)
-and the JAX CPU backend (``JAX_PLATFORMS=cpu``, only if the caller has not set it). ``FCE_TEST_DEVICE=cpu``
-or ``=cuda`` overrides the detection (which looks for ``nvidia-smi`` on the PATH).
+and the JAX CPU backend (``JAX_PLATFORMS=cpu``, only if the caller has not set it) with a thread pool of at
+least 8 (``PJRT_NPROC``, likewise). ``FCE_TEST_DEVICE=cpu`` or ``=cuda`` overrides the detection (which looks
+for ``nvidia-smi`` on the PATH).
 
 Provided here: the ``device`` fixture ("cuda" or "cpu"), the ``gpu`` marker (skipped without a GPU), and
 automatic parametrization of any test that takes a ``case`` argument over ``parity.cases.small_cases()``
@@ -19,6 +20,9 @@ HAS_GPU = _forced == "cuda" if _forced in ("cpu", "cuda") else shutil.which("nvi
 if not HAS_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # XLA CPU's thread pool, sized when JAX starts: Mosaic GPU's interpret mode blocks pool threads in its
+    # barrier waits and deadlocks in a pool of the CI's 2 cores (fce_jax/kernels/mgpu.py refuses to run there).
+    os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 
 # `from helpers import ...` works whatever pytest's import mode is.
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

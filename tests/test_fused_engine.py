@@ -420,7 +420,10 @@ def test_twins_share_the_grad_gemm_numerics():
     from fce_core import config
 
     for torch_cfg, jax_cfg in ((config.GRAD_GEMM_TORCH, config.GRAD_GEMM),
-                               (config.GRAD_GEMM_INTERPRETER_TORCH, config.GRAD_GEMM_INTERPRETER)):
+                               (config.GRAD_GEMM_MOSAIC, config.GRAD_GEMM),
+                               (config.GRAD_GEMM_MOSAIC_DW, config.GRAD_GEMM),
+                               (config.GRAD_GEMM_INTERPRETER_TORCH, config.GRAD_GEMM_INTERPRETER),
+                               (config.GRAD_GEMM_MOSAIC_INTERPRETER, config.GRAD_GEMM_INTERPRETER)):
         for field in config.GradGemmConfig.NUMERICS:
             assert getattr(torch_cfg, field) == getattr(jax_cfg, field), field
     assert config.GRAD_GEMM_INTERPRETER_TORCH.tile_n != config.GRAD_GEMM_INTERPRETER.tile_n
@@ -651,10 +654,6 @@ def _same_bits(a, b):
     return a.dtype == b.dtype and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
-# Disabled: in Mosaic GPU's interpret mode this test hangs intermittently (two interpreter threads wait in
-# gpu_callbacks._barrier_wait forever; a fresh-clone CI run hung here), cause not yet found: the kernel's
-# barriers or the interpreter's. Passed bitwise whenever it finished; see issue 17's note.
-@pytest.mark.skip(reason="hangs intermittently in Mosaic GPU interpret mode (a barrier wait); issue 17")
 @pytest.mark.parametrize("dtype, hidden", [("bfloat16", 136), ("float16", 64)])
 def test_jax_mosaic_grad_gemms(dtype, hidden):
     """The JAX twin's Mosaic GPU dX and dW kernels (GradGemmConfig.mosaic, run in Mosaic GPU's interpret mode):
@@ -709,6 +708,45 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
             assert all(_same_bits(a, b) for a, b in pairs), (impl, key)
 
 
+# V and H multiples of 8 (rows of whole 16 bytes, as Mosaic GPU's TMA needs); H small against N, so that dW
+# accumulates over the chunks (the plan keeps no dZ: test_fused_chunking_plans)
+MOSAIC_ENGINE_CASES = {
+    "bf16_pair_bias": (Case("mosaicbf", (37,), 16, 296, "bfloat16", bias=True, label_smoothing=0.1, seed=131), 5),
+    "f16_f32_accumulator": (Case("mosaic16", (29,), 16, 200, "float16", z_loss=1e-3, seed=132), 5),
+}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_ENGINE_CASES))
+def test_jax_fused_engine_on_mosaic_grads(monkeypatch, name):
+    """The JAX fused engine with its GPU choice of gradient kernels, Mosaic GPU for 16-bit operands (here in
+    Mosaic GPU's interpret mode, which the CPU default leaves out for speed): over several chunks, the bfloat16
+    weight's (hi, lo) pair or float16's float32 accumulator, dX over V slices; loss, dx, dw, db and the stats
+    within the SPEC bounds of float64, and the Mosaic kernels were the ones traced."""
+    import jax.numpy as jnp
+
+    from fce_core.config import GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC_INTERPRETER
+    from fce_jax.kernels import grad_gemms as jg
+    from fce_jax.kernels import grad_gemms_mgpu
+    from twins import JAX
+
+    launches = []
+
+    def counted(*args, mode, **kw):
+        launches.append(mode)
+        return mosaic_gemm(*args, mode=mode, **kw)
+
+    mosaic_gemm = grad_gemms_mgpu.mosaic_gemm
+    monkeypatch.setattr(grad_gemms_mgpu, "mosaic_gemm", counted)
+    monkeypatch.setattr(jg, "_config", lambda a, b, weight_grad=False: (
+        GRAD_GEMM_MOSAIC_INTERPRETER if jnp.dtype(a.dtype).itemsize == 2 else GRAD_GEMM_INTERPRETER))
+    case, chunk_rows = MOSAIC_ENGINE_CASES[name]
+    case = _fused(case)
+    inp = make_inputs(case)
+    out = JAX.run(inp, case.options(), chunk_rows=chunk_rows, fresh=True)
+    _check(JAX, case, inp, out)
+    assert {jg.WRITE, jg.ADD if case.dtype == "float16" else jg.PAIR} <= set(launches), launches
+
+
 def test_jax_mosaic_grad_gemms_bad_input():
     """Mosaic GPU multiplies on wgmma only (float32 input: tf32): the IEEE float32 GEMM is refused, not
     rounded silently; and rows that TMA cannot move (not whole 16 bytes: H = 20 in bfloat16) are refused
@@ -725,31 +763,61 @@ def test_jax_mosaic_grad_gemms_bad_input():
         jg.dx_gemm(jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 20), jnp.bfloat16), jnp.bfloat16, cfg=cfg)
 
 
+def test_jax_mosaic_interpreter_refuses_a_small_pool(monkeypatch):
+    """Mosaic GPU's interpret mode deadlocks when XLA CPU's thread pool is as small as the CI's 2 cores (its
+    barrier waits hold pool threads): such a pool is refused with the setting that fixes it, not left to hang."""
+    import jax.numpy as jnp
+
+    from fce_core.config import GRAD_GEMM_MOSAIC_INTERPRETER
+    from fce_jax.kernels import grad_gemms as jg
+
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    with pytest.raises(RuntimeError, match="set PJRT_NPROC=8 or more before JAX starts"):
+        a = jnp.ones((8, 16), jnp.bfloat16)
+        jg.dx_gemm(a, jnp.ones((16, 8), jnp.bfloat16), jnp.bfloat16, cfg=GRAD_GEMM_MOSAIC_INTERPRETER)
+
+
 def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
-    """The Mosaic GPU kernels as the GPU builds them (its launch tiles, 132 programs), lowered for CUDA on this
-    CPU: Pallas' Mosaic GPU lowering and Mosaic GPU's layout inference accept every mode at the bench's shapes
-    (dX with and without V slices, dW written, the (hi, lo) pair started and accumulated, float32 accumulation
-    of float16). What is left for the GPU is the compilation to PTX and the run itself."""
+    """The JAX twin's default gradient GEMMs as the GPU builds them (its launch tiles, 132 programs), lowered
+    for CUDA on this CPU: 16-bit operands go to Mosaic GPU, whose Pallas lowering and layout inference accept
+    every mode at the bench's shapes (dX with and without V slices, dW written, the (hi, lo) pair started and
+    accumulated, float32 accumulation of float16), also under shard_map(check_vma=True); float32 operands and
+    rows that TMA cannot move stay on the Triton lowering. What is left for the GPU is the compilation to PTX and
+    the run itself."""
     import jax
     import jax.numpy as jnp
 
     from fce_core.config import GRAD_GEMM_MOSAIC as cfg
     from fce_core.plan import dx_slices
     from fce_jax.kernels import grad_gemms as jg
-    from fce_jax.kernels import mgpu
+    from fce_jax.kernels import launch, mgpu
 
-    monkeypatch.setattr(mgpu, "interpret_mode", lambda: False)
+    for module in (launch, mgpu, jg):
+        monkeypatch.setattr(module, "interpret_mode", lambda: False)
     monkeypatch.setattr(mgpu, "_cores", lambda: 132)
-    s, bf, f16 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float16
+    s, bf, f16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float16, jnp.float32
+
+    def lowered(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
     for n, h, v in ((1024, 4096, 128256), (256, 4096, 128256), (1000, 640, 262144)):
         dz, w, x, acc = s((n, v), bf), s((v, h), bf), s((n, h), bf), s((v, h), bf)
-        calls = [(lambda a, b: jg.dx_gemm(a, b, bf, cfg=cfg), dz, w),
-                 (lambda a, b: jg.dw_gemm(a, b, bf, cfg=cfg), dz, x),
-                 (lambda a, b: jg.dw_first(a, b, bf, cfg=cfg), dz, x),
-                 (lambda a, b, c, d: jg.dw_accumulate(a, b, (c, d), cfg=cfg), dz, x, acc, acc),
-                 (lambda a, b, c: jg.dw_accumulate(a, b, c, cfg=cfg), s((n, v), f16), s((n, h), f16),
-                  s((v, h), jnp.float32))]
+        calls = [(lambda a, b: jg.dx_gemm(a, b, bf), dz, w),
+                 (lambda a, b: jg.dw_gemm(a, b, bf), dz, x),
+                 (lambda a, b: jg.dw_first(a, b, bf), dz, x),
+                 (lambda a, b, c, d: jg.dw_accumulate(a, b, (c, d)), dz, x, acc, acc),
+                 (lambda a, b, c: jg.dw_accumulate(a, b, c), s((n, v), f16), s((n, h), f16), s((v, h), f32))]
         for fn, *args in calls:
-            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text
+            assert "mosaic_gpu" in lowered(fn, *args)
+    # under shard_map(check_vma=True), as the vocab-parallel engine runs them: outputs typed for it
+    mesh, rep = jax.make_mesh((1,), ("model",)), jax.sharding.PartitionSpec()
+    dz, w = s((256, 1024), bf), s((1024, 64), bf)
+    for fn, *args in ((lambda a, b: jg.dx_gemm(a, b, bf), dz, w),
+                      (lambda a, b, c, d: jg.dw_accumulate(a, b, (c, d)), dz, s((256, 64), bf), w, w)):
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=(rep,) * len(args), out_specs=rep, check_vma=True)
+        assert "mosaic_gpu" in lowered(mapped, *args)
+    # the Triton lowering where Mosaic GPU's TMA cannot go: float32 operands, rows not of whole 16 bytes
+    for dt, v in ((f32, 1024), (bf, 1001)):
+        text = lowered(lambda a, b: jg.dx_gemm(a, b, dt), s((256, v), dt), s((v, 64), dt))
+        assert "mosaic_gpu" not in text and "xla.gpu.triton" in text
     assert dx_slices(256, 4096, 128256, cfg) > 1 and dx_slices(1024, 4096, 128256, cfg) == 1

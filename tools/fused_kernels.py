@@ -1,7 +1,7 @@
 """The fused engine's kernels on the GPU, one call: every GemmConfig variant of the logits GEMM with its
 statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile values and partials), against
 cuBLAS / XLA's plain logits GEMM; then the dX and dW GEMMs and the (hi, lo) accumulation, in each twin's
-launch variants (fce_torch's Triton, the JAX twin's Mosaic GPU), every one's bits against fce_torch's default.
+launch variants (fce_torch's Triton, the JAX twin's Mosaic GPU and Triton), every one's bits against fce_torch's default.
 The logits variants (TMA loads, persistent programs) are fce_torch's; the JAX twin runs its one kernel for
 each. A development tool: its table guides GemmConfig and GradGemmConfig.
 
@@ -18,7 +18,7 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from fce_core.config import GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_TORCH
+from fce_core.config import GEMM, GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW, GRAD_GEMM_TORCH
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_jax.kernels import grad_gemms as jg
@@ -32,13 +32,14 @@ VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
     dict(tma=True, persistent=True, num_stages=4))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
     dict(tile_n=128, tma=False, persistent=False), {})]
-MOSAIC_VARIANTS = [dataclasses.replace(GRAD_GEMM_MOSAIC, **kw) for kw in (  # the JAX twin's Mosaic GPU launches
-    {}, dict(num_stages=3), dict(tile_m=128), dict(tile_m=128, tile_n=256, num_stages=3))]
+# the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its dX and dW defaults, others)
+JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW,
+                     *(dataclasses.replace(c, num_stages=4) for c in (GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW))]
 
 
 def _tag(cfg):
     return (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
-            + " tma" * cfg.tma + " persistent" * cfg.persistent)
+            + " tma" * cfg.tma + " persistent" * cfg.persistent + " mosaic" * getattr(cfg, "mosaic", False))
 
 
 def grad_rows(n, h, v, chunk=1024):
@@ -58,7 +59,7 @@ def grad_rows(n, h, v, chunk=1024):
     pair = tg.dw_first(dz, x, torch.bfloat16)
     ref = dict(dx=_bits(tg.dx_gemm(dz, w, out)), dw=_bits(tg.dw_gemm(dz, x, torch.bfloat16)),
                pair=[_bits(p) for p in tg.dw_accumulate(dz, x, tuple(p.clone() for p in pair))])
-    for twin, variants in (("torch", GRAD_VARIANTS), ("jax", MOSAIC_VARIANTS)):
+    for twin, variants in (("torch", GRAD_VARIANTS), ("jax", JAX_GRAD_VARIANTS)):
         for cfg in variants:
             row = dict(shape=(m, h, v), twin=twin, cfg=f"grad {_tag(cfg)}")
             try:

@@ -2,12 +2,14 @@
 dX = dZ W and dW (+)= dZᵀ X, with the same epilogues (see its module for the (hi, lo) pair), so the same bits.
 
 Two kernels, the same bits (K ascending, never split):
-- the Pallas Triton lowering (`_triton_kernel`, pointer loads), the default;
-- Pallas Mosaic GPU (`grad_gemms_mgpu.py`; `GradGemmConfig.mosaic`, e.g. GRAD_GEMM_MOSAIC) for 16-bit
-  operands: TMA loads, a warp-specialized wgmma pipeline, persistent programs. float32 operands stay on the
-  Triton lowering: their IEEE products need FMA loops (`tl.dot`'s "ieee"), and Mosaic GPU multiplies on
-  wgmma only, whose float32 input is tf32. Not yet the default: it has run in Mosaic GPU's interpret mode
-  only, not yet on a GPU.
+- Pallas Mosaic GPU (`grad_gemms_mgpu.py`; `GradGemmConfig.mosaic`): TMA loads, a warp-specialized wgmma
+  pipeline, persistent programs. The default for 16-bit operands on the GPU (GRAD_GEMM_MOSAIC for dX,
+  GRAD_GEMM_MOSAIC_DW for dW), where it is faster than the Triton lowering and bit for bit fce_torch's
+  (bench/results/nvidia-h200/mosaic-grads/).
+- the Pallas Triton lowering (`_triton_kernel`, pointer loads): float32 operands, whose IEEE products need
+  FMA loops (`tl.dot`'s "ieee") where Mosaic GPU multiplies on wgmma only (float32 input: tf32); rows that
+  TMA cannot move (V or H not a multiple of 8); and the CPU interpreters' default (Mosaic GPU's interpret
+  mode is slower; tests/test_fused_engine.py runs the Mosaic kernels there).
 """
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER
+from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW
 from fce_core.plan import dx_slices
 
 from .launch import call, interpret_mode
@@ -69,14 +71,21 @@ def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, prec
         pltriton.store(lo_ref.at[block], (s - hi.astype(F32)).astype(lo_ref.dtype), mask=mask)
 
 
-def _config():
-    return GRAD_GEMM_INTERPRETER if interpret_mode() else GRAD_GEMM
+def _config(a, b, weight_grad=False):
+    """The default launch for the operands a, b: Mosaic GPU for 16-bit ones whose rows TMA can move (whole 16
+    bytes; C's rows are b's), dX's launch or with `weight_grad` dW's; else the Triton lowering, as fce_torch
+    takes pointer loads where TMA cannot (the same bits either way)."""
+    if interpret_mode():
+        return GRAD_GEMM_INTERPRETER
+    if jnp.dtype(a.dtype).itemsize != 2 or any(o.size == 0 or o.shape[-1] * 2 % 16 for o in (a, b)):
+        return GRAD_GEMM
+    return GRAD_GEMM_MOSAIC_DW if weight_grad else GRAD_GEMM_MOSAIC
 
 
 def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=1, cfg=None):
     """The GEMM into `outs` (arrays to update in place, aliased) or new ones (ShapeDtypeStructs; with
     `slices`, one [slices, m, n] array of the K slices' planes): on Mosaic GPU with `cfg.mosaic`."""
-    cfg = cfg or _config()
+    cfg = cfg or _config(a, b, weight_grad=a_t)
     slice_k = pl.cdiv(pl.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     if cfg.mosaic:
         if jnp.dtype(a.dtype).itemsize != 2:
@@ -100,7 +109,7 @@ def dx_gemm(dz, w, dtype, precision=None, cfg=None):
     """dZ [n, V] @ w [V, H] rounded once to `dtype`; over `fce_core.plan.dx_slices` slices of V, their
     float32 planes summed by `pairwise_sum`, when that is more than one (as fce_torch)."""
     (n, vocab), hidden = dz.shape, w.shape[1]
-    cfg = cfg or _config()
+    cfg = cfg or _config(dz, w)
     slices = dx_slices(n, hidden, vocab, cfg)
     shape = (n, hidden) if slices == 1 else (slices, n, hidden)
     planes = _run(dz, w, n, hidden, vocab, a_t=False, mode=WRITE,

@@ -1,6 +1,7 @@
-"""The fused engine's dX and dW GEMMs of grad_gemms.py on Pallas Mosaic GPU, for 16-bit operands (opt-in:
-`GradGemmConfig.mosaic`): the same K-ascending products and epilogues (WRITE, ADD, the (hi, lo) PAIR), so the
-same bits, with TMA loads, a warp-specialized wgmma pipeline and persistent programs. Launches: `mgpu.py`.
+"""The fused engine's dX and dW GEMMs of grad_gemms.py on Pallas Mosaic GPU, for 16-bit operands
+(`GradGemmConfig.mosaic`, the JAX twin's default for them on the GPU): the same K-ascending products and
+epilogues (WRITE, ADD, the (hi, lo) PAIR), so the same bits, with TMA loads, a warp-specialized wgmma pipeline
+and persistent programs. Launches: `mgpu.py`.
 """
 import functools
 
@@ -12,6 +13,7 @@ from jax.experimental import pallas as pl
 
 from . import mgpu
 from .grad_gemms import ADD, F32, PAIR, WRITE
+from .launch import typed
 
 COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
 EPILOGUE_ROWS = 64   # rows of a compute warpgroup's epilogue block in shared memory
@@ -28,7 +30,7 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
     n_m, n_n = pl.cdiv(m, cfg.tile_m), pl.cdiv(n, bn)
     tiles = n_m * n_n
     planes = c_gmem[0].ndim == 3
-    loads = mode == ADD or (mode == PAIR and not first)
+    loads = _reads_c(mode, first)
     dtype = a_gmem.dtype
     a_block = (bk, cfg.tile_m) if a_t else (cfg.tile_m, bk)
     specs = [plgpu.BlockSpec(a_block, (lambda s: (s, 0)) if a_t else (lambda s: (0, s)),
@@ -104,6 +106,11 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _reads_c(mode, first):
+    """Whether the epilogue reads C: to add to it (ADD), or to the (hi, lo) pair after the first chunk's."""
+    return mode == ADD or (mode == PAIR and not first)
+
+
 def _blocks(cfg, loads):
     """A compute warpgroup's epilogue blocks: ([(row block, column block)], (rows, cols) of a block, slots in
     shared memory). Blocks of EPILOGUE_ROWS full-width rows in one slot; where C is loaded (ADD, PAIR), blocks
@@ -149,7 +156,7 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg):
         if arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16:
             raise ValueError(f"the Mosaic GPU GEMMs load and store by TMA, whose rows are multiples of 16 bytes: "
                              f"{name} has rows of {arr.shape[-1]} {jnp.dtype(arr.dtype).name} values")
-    _, (rows_e, cols_e), slots = _blocks(cfg, mode == ADD or (mode == PAIR and not first))
+    _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
     epilogue_bytes = sum(COMPUTE_WGS * slots * rows_e * cols_e * jnp.dtype(o.dtype).itemsize for o in outs)
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
     items = pl.cdiv(m, cfg.tile_m) * pl.cdiv(n, cfg.tile_n) * slices
@@ -158,7 +165,7 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg):
     given = [o for o in outs if not isinstance(o, jax.ShapeDtypeStruct)]
     launch = functools.partial(mgpu.kernel, body, programs=mgpu.programs(items), compute_threads=COMPUTE_WGS)
     if not given:
-        return list(launch(out_type=tuple(outs))(a, b))
+        return list(launch(out_type=tuple(typed(outs, (a, b))))(a, b))
     refs = mgpu.in_place(given)
     launch(out_type=())(a, b, *refs)
     return [r[...] for r in refs]

@@ -19,7 +19,9 @@ def interpret_mode() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _typed(out_shape, args):
+def typed(out_shape, args):
+    """`out_shape`'s ShapeDtypeStructs varying over the manual mesh axes that any of `args` varies over, as a
+    kernel's outputs must be declared under ``shard_map(check_vma=True)``."""
     varying = frozenset().union(*(jax.typeof(a).mat.varying for a in args))
     mat = ManualAxisType(varying=varying)
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
@@ -33,7 +35,7 @@ def call(kernel, *, out_shape, grid, num_warps=4, num_stages=3, input_output_ali
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
     def run(*args):
-        return pl.pallas_call(functools.partial(kernel, **static), out_shape=_typed(out_shape, args), grid=grid,
+        return pl.pallas_call(functools.partial(kernel, **static), out_shape=typed(out_shape, args), grid=grid,
                               interpret=interpret, compiler_params=params,
                               input_output_aliases=input_output_aliases or {})(*args)
 

@@ -1,7 +1,12 @@
 """Pallas Mosaic GPU launches (TMA operand loads, warp-specialized wgmma pipelines, persistent programs) and
 their CPU run in Mosaic GPU's interpret mode. The torch counterpart: fce_torch/kernels/tma.py (Triton's TMA).
 
-The interpreter needs four things the GPU gives for free, set here once:
+The interpreter runs a block's warpgroups as threads whose barrier waits block XLA CPU's thread pool: with too
+few pool threads (sized by PJRT_NPROC, else the core count, when JAX starts) a wait can hold the thread that
+the arriving warpgroup needs, and the run deadlocks (seen with 2 cores), so a smaller pool is refused
+(`INTERPRETER_POOL_THREADS`; tests/conftest.py sets PJRT_NPROC).
+
+It also needs four things the GPU gives for free, set here once:
 - a core count (the CPU device has none): two programs, so that the persistent loops loop;
 - zeros for a TMA load past an array's end (`out_of_bounds_reads="uninitialized"`, zero-filled memory), as the
   tensor memory accelerator reads them;
@@ -11,6 +16,7 @@ The interpreter needs four things the GPU gives for free, set here once:
   (`_wgmma_reads_transposes`).
 """
 import functools
+import os
 
 import jax
 import jax.experimental.pallas as pl
@@ -20,6 +26,7 @@ from .launch import interpret_mode
 
 SHARED_BYTES = 216 * 1024  # of the H200's 227 KiB per block: the pipeline's stages and the epilogue's tiles
 INTERPRETER_PROGRAMS = 2
+INTERPRETER_POOL_THREADS = 8  # blocked at once at most: a launch's callback and 3 warpgroups, with room to spare
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,12 +56,21 @@ def kernel(body, *, out_type, programs, compute_threads):
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     interpret = False
     if interpret_mode():
+        _check_pool()
         _store_in_bounds_part()
         _wgmma_reads_transposes()
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
     mesh = plgpu.Mesh(grid=(programs,), grid_names=("sm",), num_threads=compute_threads + 1, thread_name="wg")
     return pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=params, interpret=interpret)
+
+
+def _check_pool():
+    threads = int(os.environ.get("PJRT_NPROC") or os.environ.get("NPROC") or os.cpu_count() or 1)
+    if threads < INTERPRETER_POOL_THREADS:
+        raise RuntimeError(
+            f"Mosaic GPU's interpret mode can deadlock in XLA CPU's thread pool of {threads} threads (its barrier "
+            f"waits block pool threads): set PJRT_NPROC={INTERPRETER_POOL_THREADS} or more before JAX starts")
 
 
 def in_place(ref_values):
@@ -100,22 +116,17 @@ def _wgmma_reads_transposes():
             value = np.transpose(value, perm)
         return value
 
-    def wgmma_any(*, token, device_id, thread_id, acc_allocation_key_as_array, acc_transforms, acc_dtype,
-                  a_allocation_key_as_array, a_transforms, b_allocation_key_as_array, b_transforms, **kw):
+    def wgmma_any(*, a_transforms, b_transforms, **kw):
         if not any(isinstance(t, TransposeTransform) for t in (*a_transforms, *b_transforms)):
-            return wgmma(token=token, device_id=device_id, thread_id=thread_id,
-                         acc_allocation_key_as_array=acc_allocation_key_as_array, acc_transforms=acc_transforms,
-                         acc_dtype=acc_dtype, a_allocation_key_as_array=a_allocation_key_as_array,
-                         a_transforms=a_transforms, b_allocation_key_as_array=b_allocation_key_as_array,
-                         b_transforms=b_transforms, **kw)
+            return wgmma(a_transforms=a_transforms, b_transforms=b_transforms, **kw)
         memory = cb._get_shared_memory()
-        thread = memory.get_global_thread_id(int(device_id), int(thread_id))
-        a = read(memory, a_allocation_key_as_array, a_transforms, thread)
-        b = read(memory, b_allocation_key_as_array, b_transforms, thread)
-        acc_key = cb.HostAllocationKey.from_array(acc_allocation_key_as_array)
-        acc_range = utils.to_range(jax.tree.map(int, cb._remove_noop_transforms(acc_transforms)))
+        thread = memory.get_global_thread_id(int(kw["device_id"]), int(kw["thread_id"]))
+        a = read(memory, kw["a_allocation_key_as_array"], a_transforms, thread)
+        b = read(memory, kw["b_allocation_key_as_array"], b_transforms, thread)
+        acc_key = cb.HostAllocationKey.from_array(kw["acc_allocation_key_as_array"])
+        acc_range = utils.to_range(jax.tree.map(int, cb._remove_noop_transforms(kw["acc_transforms"])))
         acc = memory.get_buffer_content(acc_key, acc_range, thread)[0]
-        memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype), thread)
-        return token
+        memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=kw["acc_dtype"]), thread)
+        return kw["token"]
 
     cb.wgmma = wgmma_any
