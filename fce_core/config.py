@@ -129,8 +129,9 @@ GRAD_GEMM = GradGemmConfig()
 GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persistent=True)
 # The JAX twin's launch of the same GEMMs on Pallas Mosaic GPU, its default for 16-bit operands on the GPU
 # (NUMERICS as GRAD_GEMM): two compute warpgroups on half a tile's rows each, TMA loads, persistent programs.
-# dX on 256x128 tiles, dW (written or accumulated) on 128x256, 3 stages: the fastest launch of each at every
-# shape of bench/results/nvidia-h200/mosaic-grads/fused_kernels.json, bit for bit fce_torch's there.
+# 3 stages; dW (written or accumulated) on 128x256 tiles, the fastest at the four shapes of
+# bench/results/nvidia-h200/mosaic-grads/fused_kernels.json; dX on 256x128, the fastest at three of them (2%
+# behind 128x256 at H = 4096; 128x256 was 2-3x slower at H <= 2048 and at 256 rows). Bit for bit fce_torch's.
 GRAD_GEMM_MOSAIC = dataclasses.replace(GRAD_GEMM, tile_m=256, tile_n=128, num_stages=3, tma=True, persistent=True,
                                        mosaic=True)
 GRAD_GEMM_MOSAIC_DW = dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256)

@@ -31,7 +31,7 @@ VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
     {}, dict(tma=True), dict(persistent=True), dict(tma=True, persistent=True), dict(tma=True, num_stages=4),
     dict(tma=True, persistent=True, num_stages=4))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
-    dict(tile_n=128, tma=False, persistent=False), {})]
+    dict(tile_n=128, tma=False, persistent=False), dict(tile_n=128), {})]
 # the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its dX and dW defaults, others)
 JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW,
                      *(dataclasses.replace(c, num_stages=4) for c in (GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW))]
