@@ -64,7 +64,8 @@ def gpu_cases() -> list[Case]:
     (each option, three reductions, all options at once, token scaling, a normalizer pair, negative class
     weights, a float32 bias), (8192, 2304, 256000) over the reductions and all options, both with half the
     rows ignored, and float32 at (1024, 1024, 32000); and the fused engine (``engine="fused"``) at those
-    shapes, (8192, 896, 151936) with half the rows ignored and (16384, 2048, 128256)."""
+    shapes, (8192, 896, 151936) with half the rows ignored, (16384, 2048, 128256), (8192, 640, 262144) and
+    float16 at (8192, 2304, 256000)."""
     a = dict(shape=(4096,), h=4096, v=128256, dtype="bfloat16")
     b = dict(shape=(8192,), h=2304, v=256000, dtype="bfloat16")
     f = dict(shape=(1024,), h=1024, v=32000, dtype="float32")
@@ -102,7 +103,11 @@ def gpu_cases() -> list[Case]:
             Case("fused_bf16_16k_2048_128k_mean", (16384,), 2048, 128256, "bfloat16", **fused, seed=211),
             # Gemma-3-270M's head: dX over V in the most slices (few output tiles at H=640)
             Case("fused_bf16_8k_640_262k_mean", (8192,), 640, 262144, "bfloat16", **fused, seed=212),
-            Case("fused_f32_1k_1k_32k_mean", **f, **fused, seed=300)]
+            Case("fused_f32_1k_1k_32k_mean", **f, **fused, seed=300),
+            # float16, dW accumulated in float32 over chunks (Mosaic GPU's ADD in JAX); "sum", as a "mean" dZ
+            # = p / n falls below float16's subnormals at such N (parity/results/nvidia-h200/engine-fused-f16-probe/)
+            Case("fused_f16_8k_2304_256k_sum", (8192,), 2304, 256000, "float16", reduction="sum", **fused,
+                 seed=213)]
     out += [Case("f32_1k_1k_32k_mean", **f, seed=300),
             Case("f32_1k_1k_32k_large_logits", **f, logit_scale=50.0, seed=301),
             Case("f32_1k_1k_32k_none", **f, reduction="none", seed=302),
