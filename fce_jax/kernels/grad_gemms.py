@@ -71,13 +71,18 @@ def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, prec
         pltriton.store(lo_ref.at[block], (s - hi.astype(F32)).astype(lo_ref.dtype), mask=mask)
 
 
+def tma_rows(arr):
+    """Whether TMA can move the rows of `arr` (whole 16 bytes), as the Mosaic GPU kernels need."""
+    return arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16 == 0
+
+
 def _config(a, b, weight_grad=False):
     """The default launch for the operands a, b: Mosaic GPU for 16-bit ones whose rows TMA can move (whole 16
     bytes; C's rows are b's), dX's launch or with `weight_grad` dW's; else the Triton lowering, as fce_torch
     takes pointer loads where TMA cannot (the same bits either way)."""
     if interpret_mode():
         return GRAD_GEMM_INTERPRETER
-    if jnp.dtype(a.dtype).itemsize != 2 or any(o.size == 0 or o.shape[-1] * 2 % 16 for o in (a, b)):
+    if jnp.dtype(a.dtype).itemsize != 2 or not all(o.size and tma_rows(o) for o in (a, b)):
         return GRAD_GEMM
     return GRAD_GEMM_MOSAIC_DW if weight_grad else GRAD_GEMM_MOSAIC
 

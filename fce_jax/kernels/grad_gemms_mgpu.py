@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import mgpu
-from .grad_gemms import ADD, F32, PAIR, WRITE
+from .grad_gemms import ADD, F32, PAIR, WRITE, tma_rows
 from .launch import typed
 
 COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
@@ -153,7 +153,7 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg):
         raise ValueError(f"the Mosaic GPU GEMMs need m, n, k >= 1 (a K loop of no steps has no pipeline), "
                          f"got {(m, n, k)}")
     for name, arr in (("A", a), ("B", b), *((f"C{i}", o) for i, o in enumerate(outs))):
-        if arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16:
+        if not tma_rows(arr):
             raise ValueError(f"the Mosaic GPU GEMMs load and store by TMA, whose rows are multiples of 16 bytes: "
                              f"{name} has rows of {arr.shape[-1]} {jnp.dtype(arr.dtype).name} values")
     _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
