@@ -66,7 +66,9 @@ class GemmConfig:
     that the merge then adds in a fixed order. The K order (ascending, never split) is the same for every
     tile_k, so tile_k, tile_m and the launch fields only change speed. `tma` (operands loaded by the tensor
     memory accelerator where their strides allow) and `persistent` (one program per multiprocessor, looping
-    over the tiles) apply to fce_torch's Triton kernels: the Pallas Triton lowering has neither; speed only."""
+    over the tiles) apply to fce_torch's Triton kernels: the Pallas Triton lowering has neither; speed only.
+    `flatten` (fce_torch, persistent): the tile loop and its K loop pipelined as one (Triton's
+    `tl.range(flatten=True)`), so that the next tile's loads overlap this tile's epilogue; speed only."""
     NUMERICS = ("tile_n",)
     tile_m: int = 128
     tile_n: int = 256   # a power of two (the partial sums' tree)
@@ -75,6 +77,7 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = True
     persistent: bool = True
+    flatten: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class GradGemmConfig:
     num_stages: int = 3
     tma: bool = False
     persistent: bool = False
+    flatten: bool = False  # as GemmConfig's (fce_torch)
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
 
 
@@ -127,14 +131,18 @@ GRAD_GEMM = GradGemmConfig()
 # Triton (tools/fused_kernels.py); the JAX twin's fused engine was slower on 128x256 tiles at N >= 16384 and at
 # H = 640 (bench/results/nvidia-h200/engine-tma/op-both-twins-128x256/), so it keeps GRAD_GEMM's.
 GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persistent=True)
+# fce_torch's dX on 256x128 tiles where they take fewer rounds of the multiprocessors than 128x256 (H = 640:
+# 0.57 ms against 0.98 at 1024 rows; 6-8% slower on a tie at H = 2048 and 4096,
+# bench/results/nvidia-h200/tile-order/). `flatten` is off: measured at one shape only (tile-order/flatten/).
+GRAD_GEMM_TORCH_TALL = dataclasses.replace(GRAD_GEMM_TORCH, tile_m=256, tile_n=128)
 # The JAX twin's launch of the same GEMMs on Pallas Mosaic GPU, its default for 16-bit operands on the GPU
-# (NUMERICS as GRAD_GEMM): two compute warpgroups on half a tile's rows each, TMA loads, persistent programs.
-# 3 stages; dW (written or accumulated) on 128x256 tiles, the fastest at the four shapes of
-# bench/results/nvidia-h200/mosaic-grads/fused_kernels.json; dX on 256x128, the fastest at three of them (2%
-# behind 128x256 at H = 4096; 128x256 was 2-3x slower at H <= 2048 and at 256 rows). Bit for bit fce_torch's.
+# (NUMERICS as GRAD_GEMM): two compute warpgroups on half a tile's rows each, TMA loads, persistent programs,
+# 3 stages, 256x128 tiles: with dW's tiles walking H fastest (`fce_core.plan.rows_fast`), faster than 128x256
+# in 7 of 8 measurements of dX (5 shapes, 3 runs), 8 of 8 of dW written and 6 of 8 of dW accumulated (behind by
+# 6-10% at H = 896 and in one of two runs at H = 4096; bench/results/nvidia-h200/tile-order/). Bit for bit
+# fce_torch's.
 GRAD_GEMM_MOSAIC = dataclasses.replace(GRAD_GEMM, tile_m=256, tile_n=128, num_stages=3, tma=True, persistent=True,
                                        mosaic=True)
-GRAD_GEMM_MOSAIC_DW = dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256)
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)
 # Other launch tiles than the JAX twin's in the CPU tests too: the twins' bits must not depend on them.

@@ -141,3 +141,19 @@ def dx_slices(n_rows: int, hidden: int, vocab: int, cfg: GradGemmConfig = GRAD_G
     tiles = -(-n_rows // cfg.split_m) * -(-hidden // cfg.split_n)
     by_length = max(1, vocab // (8 * cfg.tile_k))
     return max(1, min(cfg.max_slices, by_length, cfg.target_programs // max(tiles, 1)))
+
+
+def rows_fast(m: int, n: int, tile_m: int, tile_n: int) -> bool:
+    """Whether a gradient GEMM walks its [m, n] output tiles with the row blocks varying fastest: the grid
+    dimension with fewer blocks varies fastest, so the programs that run at once share their blocks of the
+    long dimension's operand (read from memory once) while the short dimension's stays in L2. dW [V, H] walks
+    H fastest: row-blocks-first re-read all of a chunk's dZ from memory once per column block (16 times at
+    H = 4096 on 256-wide tiles). Speed only: the order of the tiles does not touch a product's bits."""
+    return -(-m // tile_m) <= -(-n // tile_n)
+
+
+def waves(m: int, n: int, slices: int, tile_m: int, tile_n: int, processors: int) -> int:
+    """Rounds of `processors` programs that the (tile, slice) items of an [m, n] GEMM on tile_m x tile_n
+    tiles take."""
+    items = -(-m // tile_m) * -(-n // tile_n) * slices
+    return -(-items // processors)

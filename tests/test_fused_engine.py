@@ -411,7 +411,7 @@ def test_logit_tiles_and_merge(k, name):
 
 
 LAUNCHES = [dict(tma=t, persistent=p) for t in (False, True) for p in (False, True)] + [
-    dict(tile_m=32, tile_n=32, tma=True, persistent=True)]
+    dict(tile_m=32, tile_n=32, tma=True, persistent=True), dict(tma=True, persistent=True, flatten=True)]
 
 
 def test_twins_share_the_grad_gemm_numerics():
@@ -420,13 +420,38 @@ def test_twins_share_the_grad_gemm_numerics():
     from fce_core import config
 
     for torch_cfg, jax_cfg in ((config.GRAD_GEMM_TORCH, config.GRAD_GEMM),
+                               (config.GRAD_GEMM_TORCH_TALL, config.GRAD_GEMM),
                                (config.GRAD_GEMM_MOSAIC, config.GRAD_GEMM),
-                               (config.GRAD_GEMM_MOSAIC_DW, config.GRAD_GEMM),
                                (config.GRAD_GEMM_INTERPRETER_TORCH, config.GRAD_GEMM_INTERPRETER),
                                (config.GRAD_GEMM_MOSAIC_INTERPRETER, config.GRAD_GEMM_INTERPRETER)):
         for field in config.GradGemmConfig.NUMERICS:
             assert getattr(torch_cfg, field) == getattr(jax_cfg, field), field
     assert config.GRAD_GEMM_INTERPRETER_TORCH.tile_n != config.GRAD_GEMM_INTERPRETER.tile_n
+
+
+def test_torch_dx_launch_takes_the_fewest_rounds(monkeypatch):
+    """fce_torch's dX on the GPU: 256x128 tiles where they take fewer rounds of 132 multiprocessors than
+    128x256 (H = 640: 144 items against 120), else 128x256 (also on a tie); the interpreter's tiles on the CPU;
+    and tiles walking columns fastest exactly where the grid has fewer column blocks (`rows_fast`)."""
+    from fce_core import config
+    from fce_core.plan import dx_slices, rows_fast, waves
+    from fce_torch.kernels import fastmath, grad_gemms
+
+    cpu = torch.device("cpu")
+    assert grad_gemms._dx_config(1024, 640, 6, cpu) == config.GRAD_GEMM_INTERPRETER_TORCH
+    monkeypatch.setattr(fastmath, "ASM", True)
+    monkeypatch.setattr(grad_gemms, "programs", lambda items, cfg, device: 132)
+    picks = {}
+    for n, h, v in ((1024, 640, 262144), (1024, 896, 151936), (1024, 4096, 128256), (256, 4096, 128256)):
+        slices = dx_slices(n, h, v)
+        picks[h, n] = grad_gemms._dx_config(n, h, slices, cpu)
+        assert waves(n, h, slices, picks[h, n].tile_m, picks[h, n].tile_n, 132) == min(
+            waves(n, h, slices, c.tile_m, c.tile_n, 132) for c in (config.GRAD_GEMM_TORCH, config.GRAD_GEMM_TORCH_TALL))
+    assert picks == {(640, 1024): config.GRAD_GEMM_TORCH_TALL, (896, 1024): config.GRAD_GEMM_TORCH,
+                     (4096, 1024): config.GRAD_GEMM_TORCH, (4096, 256): config.GRAD_GEMM_TORCH}
+    assert waves(1024, 640, 6, 128, 256, 132) == 2 and waves(1024, 640, 6, 256, 128, 132) == 1
+    assert not rows_fast(128256, 4096, 128, 256) and rows_fast(1024, 4096, 256, 128)
+    assert rows_fast(256, 256, 128, 128)  # a tie walks rows fastest
 
 
 @pytest.mark.parametrize("dtype, hidden", [("bfloat16", 48), ("float32", 20), ("bfloat16", 20)])
@@ -737,7 +762,7 @@ def test_jax_fused_engine_on_mosaic_grads(monkeypatch, name):
 
     mosaic_gemm = grad_gemms_mgpu.mosaic_gemm
     monkeypatch.setattr(grad_gemms_mgpu, "mosaic_gemm", counted)
-    monkeypatch.setattr(jg, "_config", lambda a, b, weight_grad=False: (
+    monkeypatch.setattr(jg, "_config", lambda a, b: (
         GRAD_GEMM_MOSAIC_INTERPRETER if jnp.dtype(a.dtype).itemsize == 2 else GRAD_GEMM_INTERPRETER))
     case, chunk_rows = MOSAIC_ENGINE_CASES[name]
     case = _fused(case)

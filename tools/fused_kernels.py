@@ -1,7 +1,8 @@
 """The fused engine's kernels on the GPU, one call: every GemmConfig variant of the logits GEMM with its
 statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile values and partials), against
 cuBLAS / XLA's plain logits GEMM; then the dX and dW GEMMs and the (hi, lo) accumulation, in each twin's
-launch variants (fce_torch's Triton, the JAX twin's Mosaic GPU and Triton), every one's bits against fce_torch's default.
+launch variants (fce_torch's Triton, the JAX twin's Mosaic GPU and Triton), every one's bits against fce_torch's
+default.
 The logits variants (TMA loads, persistent programs) are fce_torch's; the JAX twin runs its one kernel for
 each. A development tool: its table guides GemmConfig and GradGemmConfig.
 
@@ -18,9 +19,10 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from fce_core.config import GEMM, GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW, GRAD_GEMM_TORCH
+from fce_core.config import GEMM, GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_TORCH
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
+from fce_core.plan import fused_rows
 from fce_jax.kernels import grad_gemms as jg
 from fce_jax.kernels import logit_tiles as jt
 from fce_torch.kernels import grad_gemms as tg
@@ -28,25 +30,25 @@ from fce_torch.kernels import logit_tiles as tt
 
 LAUNCH = dict(tma=False, persistent=False)  # fce_torch's pointer-load kernels, one program per tile
 VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
-    {}, dict(tma=True), dict(persistent=True), dict(tma=True, persistent=True), dict(tma=True, num_stages=4),
-    dict(tma=True, persistent=True, num_stages=4))]
+    dict(tma=True), dict(tma=True, persistent=True), dict(tma=True, persistent=True, flatten=True),
+    dict(tma=True, persistent=True, flatten=True, num_stages=4))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
-    dict(tile_n=128, tma=False, persistent=False), dict(tile_n=128), {})]
-# the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its dX and dW defaults, others)
-JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW,
-                     *(dataclasses.replace(c, num_stages=4) for c in (GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW))]
+    {}, dict(flatten=True), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=True))]
+# the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, and 128x256)
+JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256)]
 
 
 def _tag(cfg):
     return (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
-            + " tma" * cfg.tma + " persistent" * cfg.persistent + " mosaic" * getattr(cfg, "mosaic", False))
+            + " tma" * cfg.tma + " persistent" * cfg.persistent + " flatten" * cfg.flatten
+            + " mosaic" * getattr(cfg, "mosaic", False))
 
 
-def grad_rows(n, h, v, chunk=1024):
-    """dX, dW and the (hi, lo) accumulation of a second chunk (min(n, chunk) rows) with each launch variant of
-    either twin; every JAX variant's bits against fce_torch's default launch."""
+def grad_rows(n, h, v):
+    """dX, dW and the (hi, lo) accumulation of a second chunk (of the fused engine's plan for bfloat16 at
+    (n, h, v)) with each launch variant of either twin; every variant's bits against fce_torch's default."""
     rows = []
-    m = min(n, chunk)
+    m = min(n, fused_rows(n, h, v, 2, need_grads=True).rows)
     g = torch.Generator(device="cuda").manual_seed(1)
     dz = (torch.randn(m, v, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
     w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
@@ -113,6 +115,11 @@ def _bits(a):
     return a.view(np.uint32)
 
 
+def _save(out_dir, rows):
+    with open(f"{out_dir}/fused_kernels.json", "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def main():
     args = sys.argv[1:]
     grads_only = "--grads" in args
@@ -123,6 +130,7 @@ def main():
     for n, h, v in shapes:
         if grads_only:
             rows += grad_rows(n, h, v)
+            _save(out_dir, rows)  # a call stopped at its time limit keeps the shapes done
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
@@ -161,10 +169,8 @@ def main():
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-        grads = grad_rows(n, h, v)
-        rows += grads
-    with open(f"{out_dir}/fused_kernels.json", "w") as f:
-        json.dump(rows, f, indent=1)
+        rows += grad_rows(n, h, v)
+        _save(out_dir, rows)
     print("\n| N,H,V | variant | torch ms | jax ms | torch TF/s | jax TF/s | bits e | bits parts |")
     for r in rows:
         if "impl" in r and "ms_dw" in r:

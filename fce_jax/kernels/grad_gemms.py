@@ -3,9 +3,9 @@ dX = dZ W and dW (+)= dZᵀ X, with the same epilogues (see its module for the (
 
 Two kernels, the same bits (K ascending, never split):
 - Pallas Mosaic GPU (`grad_gemms_mgpu.py`; `GradGemmConfig.mosaic`): TMA loads, a warp-specialized wgmma
-  pipeline, persistent programs. The default for 16-bit operands on the GPU (GRAD_GEMM_MOSAIC for dX,
-  GRAD_GEMM_MOSAIC_DW for dW), where it is faster than the Triton lowering and bit for bit fce_torch's
-  (bench/results/nvidia-h200/mosaic-grads/).
+  pipeline, persistent programs. The default for 16-bit operands on the GPU (GRAD_GEMM_MOSAIC), where it is
+  faster than the Triton lowering and bit for bit fce_torch's (bench/results/nvidia-h200/mosaic-grads/,
+  tile-order/).
 - the Pallas Triton lowering (`_triton_kernel`, pointer loads): float32 operands, whose IEEE products need
   FMA loops (`tl.dot`'s "ieee") where Mosaic GPU multiplies on wgmma only (float32 input: tf32); rows that
   TMA cannot move (V or H not a multiple of 8); and the CPU interpreters' default (Mosaic GPU's interpret
@@ -17,8 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_DW
-from fce_core.plan import dx_slices
+from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC
+from fce_core.plan import dx_slices, rows_fast
 
 from .launch import call, interpret_mode
 from ..sums import pairwise_sum
@@ -34,8 +34,9 @@ def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, prec
     k_lo = pl.program_id(1) * slice_k
     k_hi = jnp.minimum(k, k_lo + slice_k)
     pid = pl.program_id(0)
-    n_m = pl.cdiv(m, bm)
-    r0, c0 = (pid % n_m) * bm, (pid // n_m) * bn
+    n_m, n_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
+    r0, c0 = ((pid % n_m) * bm, (pid // n_m) * bn) if rows_fast(m, n, bm, bn) else \
+        ((pid // n_n) * bm, (pid % n_n) * bn)
     row_ok = r0 + lax.iota(jnp.int32, bm) < m
     col_ok = c0 + lax.iota(jnp.int32, bn) < n
     rs, cs = pl.ds(r0, bm), pl.ds(c0, bn)
@@ -76,21 +77,21 @@ def tma_rows(arr):
     return arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16 == 0
 
 
-def _config(a, b, weight_grad=False):
+def _config(a, b):
     """The default launch for the operands a, b: Mosaic GPU for 16-bit ones whose rows TMA can move (whole 16
-    bytes; C's rows are b's), dX's launch or with `weight_grad` dW's; else the Triton lowering, as fce_torch
-    takes pointer loads where TMA cannot (the same bits either way)."""
+    bytes; C's rows are b's); else the Triton lowering, as fce_torch takes pointer loads where TMA cannot (the
+    same bits either way)."""
     if interpret_mode():
         return GRAD_GEMM_INTERPRETER
     if jnp.dtype(a.dtype).itemsize != 2 or not all(o.size and tma_rows(o) for o in (a, b)):
         return GRAD_GEMM
-    return GRAD_GEMM_MOSAIC_DW if weight_grad else GRAD_GEMM_MOSAIC
+    return GRAD_GEMM_MOSAIC
 
 
 def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=1, cfg=None):
     """The GEMM into `outs` (arrays to update in place, aliased) or new ones (ShapeDtypeStructs; with
     `slices`, one [slices, m, n] array of the K slices' planes): on Mosaic GPU with `cfg.mosaic`."""
-    cfg = cfg or _config(a, b, weight_grad=a_t)
+    cfg = cfg or _config(a, b)
     slice_k = pl.cdiv(pl.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     if cfg.mosaic:
         if jnp.dtype(a.dtype).itemsize != 2:

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from fce_core.plan import rows_fast
+
 from . import mgpu
 from .grad_gemms import ADD, F32, PAIR, WRITE, tma_rows
 from .launch import typed
@@ -25,7 +27,8 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
     warp-specialized pipeline over the slice's K steps (a memory warpgroup's TMA loads, two compute warpgroups'
     wgmma on their tile_m / 2 rows each), then each compute warpgroup's epilogue through shared memory and TMA
     stores, block by block (`_blocks`). ADD and PAIR read C: its first two blocks are loaded by TMA before the
-    K loop (overlapping it), each later one as soon as the store two blocks before it has left its slot."""
+    K loop (overlapping it), each later one as soon as the store two blocks before it has left its slot.
+    Tiles walk rows or columns fastest as `fce_core.plan.rows_fast` says."""
     bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
     n_m, n_n = pl.cdiv(m, cfg.tile_m), pl.cdiv(n, bn)
     tiles = n_m * n_n
@@ -56,7 +59,10 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
         def _item(info):
             (item,) = info.index
             tile, sl = lax.rem(item, tiles), lax.div(item, tiles)
-            r0, c0 = lax.rem(tile, n_m) * cfg.tile_m, lax.div(tile, n_m) * bn
+            if rows_fast(m, n, cfg.tile_m, bn):
+                r0, c0 = lax.rem(tile, n_m) * cfg.tile_m, lax.div(tile, n_m) * bn
+            else:
+                r0, c0 = lax.div(tile, n_n) * cfg.tile_m, lax.rem(tile, n_n) * bn
             k_lo = sl * slice_k
             steps = lax.div(jnp.minimum(k, k_lo + slice_k) - k_lo + bk - 1, bk)
             ks, rows, cols = pl.ds(k_lo, slice_k), pl.ds(r0, cfg.tile_m), pl.ds(c0, bn)

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH
-from fce_core.plan import dx_slices
+from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL
+from fce_core.plan import dx_slices, rows_fast, waves
 
 from . import fastmath as fm
 from .tma import descriptors, programs, stages
@@ -25,19 +25,25 @@ WRITE, ADD, PAIR = 0, 1, 2  # the epilogues: C = acc in C's dtype; C (float32) +
 def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
                  MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ROWS_FAST: tl.constexpr, FLATTEN: tl.constexpr, ASM: tl.constexpr):
     # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]. A program
     # computes the (tile, slice) items pid, pid + P, ... (P programs: one per item, or persistent); an item is
-    # its slice's K range [k_lo, k_hi) into the slice's [M, N] plane of C.
+    # its slice's K range [k_lo, k_hi) into the slice's [M, N] plane of C; tiles walk rows or columns
+    # fastest as `fce_core.plan.rows_fast` says.
     n_m = tl.cdiv(M, BM)
-    n_out = n_m * tl.cdiv(N, BN)
-    for pid in tl.range(tl.program_id(0), n_out * n_slices, tl.num_programs(0)):
+    n_n = tl.cdiv(N, BN)
+    n_out = n_m * n_n
+    for pid in tl.range(tl.program_id(0), n_out * n_slices, tl.num_programs(0), flatten=FLATTEN):
         tile = pid % n_out
         k_lo = (pid // n_out) * SLICE_K
         k_hi = tl.minimum(K, k_lo + SLICE_K)
         plane = (pid // n_out).to(tl.int64) * M * N
-        r0 = (tile % n_m) * BM
-        c0 = (tile // n_m) * BN
+        if ROWS_FAST:
+            r0 = (tile % n_m) * BM
+            c0 = (tile // n_m) * BN
+        else:
+            r0 = (tile // n_n) * BM
+            c0 = (tile % n_n) * BN
         rows = r0 + tl.arange(0, BM)
         cols = c0 + tl.arange(0, BN)
         row_ok = rows < M
@@ -84,6 +90,17 @@ def _config():
     return GRAD_GEMM_TORCH if fm.ASM else GRAD_GEMM_INTERPRETER_TORCH
 
 
+def _dx_config(n, hidden, slices, device):
+    """dX's launch: GRAD_GEMM_TORCH's 128x256 tiles, or 256x128 (GRAD_GEMM_TORCH_TALL) where those take fewer
+    rounds of the multiprocessors (H = 640: 3 column tiles of 256 make 144 items at 1024 rows, two rounds of
+    132 programs, the second nearly empty; 256x128 makes 120). The slices are the same (NUMERICS fields)."""
+    if not fm.ASM:
+        return GRAD_GEMM_INTERPRETER_TORCH
+    sms = programs(1 << 30, GRAD_GEMM_TORCH, device)
+    rounds = [waves(n, hidden, slices, c.tile_m, c.tile_n, sms) for c in (GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL)]
+    return GRAD_GEMM_TORCH_TALL if rounds[1] < rounds[0] else GRAD_GEMM_TORCH
+
+
 def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
     """C (or its `slices` [m, n] planes, one per slice of K) = A @ B with the epilogue `mode`: A [m, k] is
     `a`, or `a`ᵀ when `a_t` (`a` [k, m]); B [k, n] is `b`; all with unit column strides."""
@@ -98,7 +115,9 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     _gemm_kernel[(programs(items, cfg, a.device),)](
         aa, *a_strides, bb, b.stride(0), 1, c, c if lo is None else lo, n, m, n, k, slice_k, slices, MODE=mode,
         FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
-        TMA=tma, A_T=a_t, ASM=fm.ASM, num_warps=cfg.num_warps, num_stages=stages(cfg, a.element_size()))
+        TMA=tma, A_T=a_t, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
+        FLATTEN=cfg.persistent and cfg.flatten, ASM=fm.ASM, num_warps=cfg.num_warps,
+        num_stages=stages(cfg, a.element_size()))
 
 
 def dx_gemm(dz, w, out, precision="ieee", cfg=None):
@@ -106,8 +125,8 @@ def dx_gemm(dz, w, out, precision="ieee", cfg=None):
     `fce_core.plan.dx_slices` slices of V, their float32 planes summed by `pairwise_sum`, when that is
     more than one."""
     (n, vocab), hidden = dz.shape, w.shape[1]
-    cfg = cfg or _config()
-    slices = dx_slices(n, hidden, vocab, cfg)
+    slices = dx_slices(n, hidden, vocab, cfg or _config())
+    cfg = cfg or _dx_config(n, hidden, slices, dz.device)
     planes = out if slices == 1 else torch.empty(slices, n, hidden, device=dz.device, dtype=F32)
     _run(dz, False, w, planes, None, n, hidden, vocab, WRITE, precision=precision, slices=slices, cfg=cfg)
     return out if slices == 1 else out.copy_(pairwise_sum(planes.permute(1, 2, 0)))

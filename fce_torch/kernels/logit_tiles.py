@@ -30,12 +30,13 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
                         HAS_CW: tl.constexpr, HAS_Q: tl.constexpr, HAS_PZ: tl.constexpr, STORE: tl.constexpr,
                         PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        LOG2_BN: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, ASM: tl.constexpr):
+                        LOG2_BN: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr,
+                        ASM: tl.constexpr):
     # x_ptr / w_ptr: TMA descriptors of x [n, H] and w [V, H] when TMA. A program computes the output tiles
     # pid, pid + P, ... (P programs: one per tile, or persistent). Row blocks vary fastest: the programs that
     # run together share one W tile, and the chunk's X stays in L2.
     n_m = tl.cdiv(n_rows, BM)
-    for pid in tl.range(tl.program_id(0), n_m * n_tiles, tl.num_programs(0)):
+    for pid in tl.range(tl.program_id(0), n_m * n_tiles, tl.num_programs(0), flatten=FLATTEN):
         t = pid // n_m
         r0 = (pid % n_m) * BM
         rows = r0 + tl.arange(0, BM)
@@ -147,7 +148,8 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
         float(transform.temperature), HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None,
         HAS_TEMP=transform.has_temperature, HAS_CW=class_weights is not None, HAS_Q=spec.q, HAS_PZ=spec.pz,
         STORE=e is not None, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k,
-        LOG2_BN=cfg.tile_n.bit_length() - 1, EVEN_K=hidden % cfg.tile_k == 0, TMA=tma, ASM=fm.ASM,
+        LOG2_BN=cfg.tile_n.bit_length() - 1, EVEN_K=hidden % cfg.tile_k == 0, TMA=tma,
+        FLATTEN=cfg.persistent and cfg.flatten, ASM=fm.ASM,
         num_warps=cfg.num_warps, num_stages=stages(cfg, x.element_size()))
     return e, parts
 
