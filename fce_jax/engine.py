@@ -181,23 +181,36 @@ def _weight_grad(dw):
     return dw[0] if isinstance(dw, tuple) else dw
 
 
-def _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace):
+def _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace, order=None):
     """A group's chunks (the first n_run of them; n_run may be traced): (outputs, dx or None, acc), the rows
-    of the chunks that do not run 0."""
+    of the chunks that do not run 0. With `order` (the valid-first permutation) a chunk's rows [r0, r1) are
+    x_g's rows order[r0:r1], gathered per chunk, and its dX rows go back to those rows of dx (x_g's order),
+    so that no permuted copy of x or dX exists."""
     first, n_chunks = layout(x_g.shape[0], plan.rows)
 
-    def later(i, acc):
+    def rows(r0, size):
+        if order is None:
+            return lax.dynamic_slice_in_dim(x_g, r0, size)
+        return jnp.take(x_g, lax.dynamic_slice_in_dim(order, r0, size), axis=0)
+
+    def place(dx, dx_c, r0):
+        if order is None:
+            return lax.dynamic_update_slice_in_dim(dx, dx_c, r0, 0)
+        return dx.at[lax.dynamic_slice_in_dim(order, r0, dx_c.shape[0])].set(dx_c, unique_indices=True)
+
+    def later(i, carry):
+        acc, dx = carry
         r0 = first + (i - 1) * plan.rows
         inputs = {k: lax.dynamic_slice_in_dim(v, r0, plan.rows) for k, v in inputs_g.items()}
-        acc, out, dx_c = sw.chunk(acc, lax.dynamic_slice_in_dim(x_g, r0, plan.rows), inputs, r0, None)
-        return acc, (out, dx_c)
+        acc, out, dx_c = sw.chunk(acc, rows(r0, plan.rows), inputs, r0, None)
+        return (acc, dx if dx is None else place(dx, dx_c, r0)), out
 
-    acc, out, dx_c = sw.chunk(acc, x_g[:first], {k: v[:first] for k, v in inputs_g.items()}, 0, trace)
-    pieces = (out, dx_c)
+    acc, out, dx_c = sw.chunk(acc, rows(0, first), {k: v[:first] for k, v in inputs_g.items()}, 0, trace)
+    dx = None if dx_c is None else place(zeros_like_shard(x_g.shape, dx_c.dtype, dx_c), dx_c, 0)
     if n_chunks > 1:
-        acc, stacked = stack_loop(later, 1, n_run, acc, n_chunks - 1)
-        pieces = _flat(pieces, stacked)
-    return (*pieces, acc)
+        (acc, dx), stacked = stack_loop(later, 1, n_run, (acc, dx), n_chunks - 1)
+        out = _flat(out, stacked)
+    return out, dx, acc
 
 
 def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, finish, pos=None, order=None):
@@ -206,7 +219,9 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
     Returns (outputs, dx, dw, db) in the caller's order."""
     size, vocab = x_g.shape[0], sw.w.shape[0]
     acc = zeros_like_shard((size, vocab), sw.dtype, sw.w) if sw.keep else (dw, db)
-    outputs, dx, acc = _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace)
+    if sw.keep and order is not None:  # the GEMMs over the kept dZ take all rows valid-first
+        x_g = jnp.take(x_g, order, axis=0)
+    outputs, dx, acc = _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace, None if sw.keep else order)
     if pos is not None:
         outputs = {k: v[pos] for k, v in outputs.items()}
     if finish is not None:
@@ -215,9 +230,10 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
         if "scale" in outputs:
             acc = scale_rows(acc, outputs["scale"] if order is None else outputs["scale"][order])
         dx, dw, db = sw.add(acc, x_g, dw, db)
+        dx = dx if dx is None or pos is None else dx[pos]
     else:
         dw, db = acc
-    return outputs, dx if dx is None or pos is None else dx[pos], dw, db
+    return outputs, dx, dw, db
 
 
 def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False, False), transform,
@@ -254,7 +270,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     if plan.group_rows is None:
         pos, order, n_valid = valid_first(inputs["y"], ignore_index)
         permute = lambda v: jnp.take(v, order, axis=0)  # noqa: E731  (also for numpy or literal inputs)
-        outputs, dx, dw, db = _group_pass(sw, plan, permute(x), {k: permute(v) for k, v in inputs.items()}, inputs,
+        outputs, dx, dw, db = _group_pass(sw, plan, x, {k: permute(v) for k, v in inputs.items()}, inputs,
                                           plan.chunks_to_run(n_valid, jnp.clip), None, db, trace, finish, pos,
                                           order)
         return outputs, dx, _weight_grad(dw), db

@@ -44,41 +44,62 @@ def _dz_buffer(z, dtype):
 class _Grads:
     """dX rows, the dW accumulator and db of one sweep. dW (+)= dZ^T X: the first product writes it, in the
     weight's dtype when it is the only one (`single`), else in float32. The dX rows of chunks that may be
-    skipped start at 0."""
+    skipped start at 0. With `order` (the valid-first permutation), rows [r0, r1) of the sweep are x's rows
+    order[r0:r1] (`rows` gathers them per chunk) and their dX goes back to those rows of dx, so that no permuted
+    copy of x or dX exists."""
 
-    def __init__(self, x, w, grads, single, skipping, comm, own=False):
-        self.x, self.w, self.single, self.comm, self.own = x, w, single, comm, own
+    def __init__(self, x, w, grads, single, skipping, comm, own=False, order=None):
+        self.x, self.w, self.single, self.comm, self.own, self.order = x, w, single, comm, own, order
         self.need_dx, self.need_dw, need_db = grads
         self.dx = (x.new_zeros if skipping else x.new_empty)(x.shape) if self.need_dx else None
         self.dw = None
         self.db = torch.zeros(w.shape[0], device=x.device, dtype=F32) if need_db else None
 
-    def add(self, dz, r0, r1):
-        """The GEMMs of the dZ of rows [r0, r1) (vocab-parallel: dX from the shards' float32 parts)."""
+    def rows(self, r0, r1):
+        """x's rows [r0, r1) of the sweep's order."""
+        return self.x[r0:r1] if self.order is None else self.x.index_select(0, self.order[r0:r1])
+
+    def _dx_rows(self, r0, r1):
+        """Where the dX of rows [r0, r1) is computed: dx's own rows, or a block that `_place` puts back."""
+        return self.dx[r0:r1] if self.order is None else self.dx.new_empty(r1 - r0, self.dx.shape[1])
+
+    def _place(self, block, r0, r1):
+        if self.order is not None:
+            self.dx.index_copy_(0, self.order[r0:r1], block)
+
+    def add(self, dz, r0, r1, x_rows):
+        """The GEMMs of the dZ of rows [r0, r1), x_rows = `rows(r0, r1)` (vocab-parallel: dX from the shards'
+        float32 parts)."""
         if self.own:
-            return self._add_own(dz, r0, r1)
-        if self.need_dx and self.comm is not None:
-            self.dx[r0:r1] = self.comm.sum_parts(gemm.mm(dz, self.w, F32))
-        elif self.need_dx:
-            gemm.mm(dz, self.w, self.x.dtype, out=self.dx[r0:r1])
+            return self._add_own(dz, r0, r1, x_rows)
+        if self.need_dx:
+            dx = self._dx_rows(r0, r1)
+            if self.comm is not None:
+                dx.copy_(self.comm.sum_parts(gemm.mm(dz, self.w, F32)))
+            else:
+                gemm.mm(dz, self.w, self.x.dtype, out=dx)
+            self._place(dx, r0, r1)
         if self.need_dw:
             if self.dw is None:
-                self.dw = gemm.mm(dz.t(), self.x[r0:r1], self.w.dtype if self.single else F32)
+                self.dw = gemm.mm(dz.t(), x_rows, self.w.dtype if self.single else F32)
             else:
-                gemm.addmm_(self.dw, dz.t(), self.x[r0:r1])
+                gemm.addmm_(self.dw, dz.t(), x_rows)
         if self.db is not None:
             accumulate_bias_grad(dz, self.db)
 
-    def _add_own(self, dz, r0, r1):
+    def _add_own(self, dz, r0, r1, x_rows):
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); vocab-parallel,
         dX from the shards' float32 parts as in `add`."""
-        x_rows, precision = self.x[r0:r1], gemm.triton_precision(dz)
-        if self.need_dx and self.comm is not None:
-            part = dx_gemm(dz, self.w, torch.empty(r1 - r0, self.x.shape[1], device=dz.device, dtype=F32), precision)
-            self.dx[r0:r1] = self.comm.sum_parts(part)
-        elif self.need_dx:
-            dx_gemm(dz, self.w, self.dx[r0:r1], precision)
+        precision = gemm.triton_precision(dz)
+        if self.need_dx:
+            dx = self._dx_rows(r0, r1)
+            if self.comm is not None:
+                part = torch.empty(r1 - r0, self.x.shape[1], device=dz.device, dtype=F32)
+                dx.copy_(self.comm.sum_parts(dx_gemm(dz, self.w, part, precision)))
+            else:
+                dx_gemm(dz, self.w, dx, precision)
+            self._place(dx, r0, r1)
         if self.need_dw:
             if self.single:
                 self.dw = dw_gemm(dz, x_rows, self.w.dtype, precision)
@@ -121,18 +142,20 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     order, n_run, caller_inputs = None, None, inputs
     if plan.group_rows is None and valid_rows != n_rows:
         _, order, _ = valid_first(inputs["y"], ignore_index)
-        x, inputs = x[order], {k: v[order] for k, v in inputs.items()}
+        inputs = {k: v[order] for k, v in inputs.items()}
+        if keep:  # the GEMMs over the kept dZ take all rows valid-first
+            x = x[order]
         n_run = None if valid_rows is None else plan.chunks_to_run(valid_rows)
     groups = plan.groups
     acc = _Grads(x, w, grads, single=plan.single_product(any(grads)), skipping=n_run is not None and not keep,
-                 comm=comm, own=engine == "fused")
+                 comm=comm, own=engine == "fused", order=None if keep else order)
     run = (_FusedChunkRunner if engine == "fused" else _ChunkRunner)(w, bias, class_weights, head, transform, grads,
                                                                     trace, comm)
     outs = []
     for g0, g1 in groups:
         chunks = plan.chunks(g1 - g0)[:n_run]
         dz_rows = x.new_empty(g1 - g0, w.shape[0]) if keep else None
-        pieces = [run(x[g0 + r0:g0 + r1], {k: v[g0 + r0:g0 + r1] for k, v in inputs.items()},
+        pieces = [run(acc.rows(g0 + r0, g0 + r1), {k: v[g0 + r0:g0 + r1] for k, v in inputs.items()},
                       None if keep else (acc, g0 + r0, g0 + r1), None if dz_rows is None else dz_rows[r0:r1])
                   for r0, r1 in chunks]
         out = {k: _rows_back(torch.cat([p[k] for p in pieces]), order, n_rows) for k in pieces[0]}
@@ -142,11 +165,12 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
             dz_rows[chunks[-1][1]:].zero_()
             if "scale" in out:
                 scale_rows(dz_rows, out["scale"] if order is None else out["scale"][order])
-            acc.add(dz_rows, g0, g1)
+            acc.add(dz_rows, g0, g1, acc.rows(g0, g1))
             dz_rows = None  # released before the next group allocates its own
         outs.append(out)
     outputs = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if len(outs) > 1 else outs[0]
-    return outputs, None if acc.dx is None else _rows_back(acc.dx, order, n_rows), acc.weight_grad(), acc.db
+    dx = acc.dx if acc.dx is None or not keep else _rows_back(acc.dx, order, n_rows)
+    return outputs, dx, acc.weight_grad(), acc.db
 
 
 class _ChunkRunner:
@@ -177,7 +201,7 @@ class _ChunkRunner:
             if trace is not None:
                 trace["dlogits"] = dz.clone()
             if add is not None:
-                add[0].add(dz, add[1], add[2])
+                add[0].add(dz, add[1], add[2], x_c)
         return out
 
 
@@ -211,5 +235,5 @@ class _FusedChunkRunner(_ChunkRunner):
             if trace is not None:
                 trace["dlogits"] = e.clone()
             if add is not None:
-                add[0].add(e, add[1], add[2])
+                add[0].add(e, add[1], add[2], x_c)
         return out

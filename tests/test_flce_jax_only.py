@@ -124,6 +124,25 @@ def test_no_logits_buffer_materialized(dtype, reduction):
     assert stats.temp_size_in_bytes < n * v * 4, stats
 
 
+@pytest.mark.parametrize("engine", ["library", "fused"])
+def test_no_permuted_copy_of_x_or_dx(engine):
+    """The valid-first order of the rows (traced: the ignored rows are not known while tracing) is applied per
+    chunk: jit(value_and_grad) at N=2048, H=256, chunk_rows=256 has no gather of a whole [N, H] array (a
+    permuted copy of x, or dX taken back to the caller's order), only the chunks' [256, H] ones; float32, so
+    that XLA CPU's float normalization adds no buffers of its own. The values: test_flce.py's ignored rows."""
+    n, h, v = 2048, 256, 512
+
+    def f(x, w, t):
+        return fused_lce(x, w, t, chunk_rows=256, engine=engine)
+
+    text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(
+        jax.ShapeDtypeStruct((n, h), jnp.float32), jax.ShapeDtypeStruct((v, h), jnp.float32),
+        jax.ShapeDtypeStruct((n,), jnp.int32)).as_text()
+    gathers = [line.split("->")[-1] for line in text.splitlines() if '"stablehlo.gather"' in line]
+    assert any(f"tensor<256x{h}xf32>" in g for g in gathers), gathers
+    assert not any(f"tensor<{n}x{h}xf32>" in g for g in gathers), gathers
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_repeated_backward_no_compounding(reduction):
     """The VJP function of one forward called twice with cotangent 2.5: identical results, equal to the
