@@ -138,17 +138,19 @@ class _Sweep:
         dx_c, dw, db = self.add(dz, x_c, *acc)
         return (dw, db), out, dx_c
 
+    def _dx(self, product, dtype):
+        """dX from product(out_dtype) = dZ W: in `dtype`, or vocab-parallel the shards' float32 parts summed."""
+        if self.comm is None:
+            return product(dtype)
+        return self.comm.sum_parts(product(F32)).astype(dtype)
+
     def add(self, dz, x_rows, dw, db):
         """The GEMMs of some rows' dZ: (dX rows or None, dW (+)= dZ^T X, db + column sums (if given));
         vocab-parallel, dX from the shards' float32 parts."""
         need_dx, need_dw, _ = self.grads
         if self.engine == "fused":
             return self.add_own(dz, x_rows, dw, db)
-        dx = None
-        if need_dx and self.comm is not None:
-            dx = self.comm.sum_parts(gemm.mm(dz, self.w, F32)).astype(x_rows.dtype)
-        elif need_dx:
-            dx = gemm.mm(dz, self.w, x_rows.dtype)
+        dx = self._dx(lambda dtype: gemm.mm(dz, self.w, dtype), x_rows.dtype) if need_dx else None
         if need_dw:
             dw = (gemm.mm(dz, x_rows, self.w.dtype if self.single else F32, a_t=True) if dw is None
                   else gemm.addmm(dw, dz, x_rows, a_t=True))
@@ -161,11 +163,7 @@ class _Sweep:
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32)."""
         need_dx, need_dw, _ = self.grads
         precision = gemm.pallas_precision(dz)
-        dx = None
-        if need_dx and self.comm is not None:
-            dx = self.comm.sum_parts(dx_gemm(dz, self.w, F32, precision)).astype(x_rows.dtype)
-        elif need_dx:
-            dx = dx_gemm(dz, self.w, x_rows.dtype, precision)
+        dx = self._dx(lambda dtype: dx_gemm(dz, self.w, dtype, precision), x_rows.dtype) if need_dx else None
         if need_dw and self.single:
             dw = dw_gemm(dz, x_rows, self.w.dtype, precision)
         elif need_dw:

@@ -60,12 +60,19 @@ class _Grads:
         return self.x[r0:r1] if self.order is None else self.x.index_select(0, self.order[r0:r1])
 
     def _dx_rows(self, r0, r1):
-        """Where the dX of rows [r0, r1) is computed: dx's own rows, or a block that `_place` puts back."""
+        """Where the dX of rows [r0, r1) is computed: dx's own rows, or a block that `_dx` puts back."""
         return self.dx[r0:r1] if self.order is None else self.dx.new_empty(r1 - r0, self.dx.shape[1])
 
-    def _place(self, block, r0, r1):
+    def _dx(self, r0, r1, product):
+        """dX of rows [r0, r1): product(out) writes dZ W into `out`, dx's block or, vocab-parallel, a float32
+        part (the shards' parts then summed)."""
+        dx = self._dx_rows(r0, r1)
+        if self.comm is None:
+            product(dx)
+        else:
+            dx.copy_(self.comm.sum_parts(product(dx.new_empty(dx.shape, dtype=F32))))
         if self.order is not None:
-            self.dx.index_copy_(0, self.order[r0:r1], block)
+            self.dx.index_copy_(0, self.order[r0:r1], dx)
 
     def add(self, dz, r0, r1, x_rows):
         """The GEMMs of the dZ of rows [r0, r1), x_rows = `rows(r0, r1)` (vocab-parallel: dX from the shards'
@@ -73,12 +80,7 @@ class _Grads:
         if self.own:
             return self._add_own(dz, r0, r1, x_rows)
         if self.need_dx:
-            dx = self._dx_rows(r0, r1)
-            if self.comm is not None:
-                dx.copy_(self.comm.sum_parts(gemm.mm(dz, self.w, F32)))
-            else:
-                gemm.mm(dz, self.w, self.x.dtype, out=dx)
-            self._place(dx, r0, r1)
+            self._dx(r0, r1, lambda out: gemm.mm(dz, self.w, out.dtype, out=out))
         if self.need_dw:
             if self.dw is None:
                 self.dw = gemm.mm(dz.t(), x_rows, self.w.dtype if self.single else F32)
@@ -93,13 +95,7 @@ class _Grads:
         dX from the shards' float32 parts as in `add`."""
         precision = gemm.triton_precision(dz)
         if self.need_dx:
-            dx = self._dx_rows(r0, r1)
-            if self.comm is not None:
-                part = torch.empty(r1 - r0, self.x.shape[1], device=dz.device, dtype=F32)
-                dx.copy_(self.comm.sum_parts(dx_gemm(dz, self.w, part, precision)))
-            else:
-                dx_gemm(dz, self.w, dx, precision)
-            self._place(dx, r0, r1)
+            self._dx(r0, r1, lambda out: dx_gemm(dz, self.w, out, precision))
         if self.need_dw:
             if self.single:
                 self.dw = dw_gemm(dz, x_rows, self.w.dtype, precision)
