@@ -152,8 +152,11 @@ def rows_fast(m: int, n: int, tile_m: int, tile_n: int) -> bool:
     return -(-m // tile_m) <= -(-n // tile_n)
 
 
+def gemm_items(m: int, n: int, slices: int, tile_m: int, tile_n: int) -> int:
+    """The (tile, slice) work items of a gradient GEMM's [m, n] output on tile_m x tile_n tiles."""
+    return -(-m // tile_m) * -(-n // tile_n) * slices
+
+
 def waves(m: int, n: int, slices: int, tile_m: int, tile_n: int, processors: int) -> int:
-    """Rounds of `processors` programs that the (tile, slice) items of an [m, n] GEMM on tile_m x tile_n
-    tiles take."""
-    items = -(-m // tile_m) * -(-n // tile_n) * slices
-    return -(-items // processors)
+    """Rounds of `processors` programs that the `gemm_items` of an [m, n] GEMM take."""
+    return -(-gemm_items(m, n, slices, tile_m, tile_n) // processors)

@@ -59,14 +59,10 @@ class _Grads:
         """x's rows [r0, r1) of the sweep's order."""
         return self.x[r0:r1] if self.order is None else self.x.index_select(0, self.order[r0:r1])
 
-    def _dx_rows(self, r0, r1):
-        """Where the dX of rows [r0, r1) is computed: dx's own rows, or a block that `_dx` puts back."""
-        return self.dx[r0:r1] if self.order is None else self.dx.new_empty(r1 - r0, self.dx.shape[1])
-
     def _dx(self, r0, r1, product):
-        """dX of rows [r0, r1): product(out) writes dZ W into `out`, dx's block or, vocab-parallel, a float32
-        part (the shards' parts then summed)."""
-        dx = self._dx_rows(r0, r1)
+        """dX of rows [r0, r1): product(out) writes dZ W into `out`, dx's rows (a new block put back at the
+        caller's rows, with `order`) or, vocab-parallel, a float32 part (the shards' parts then summed)."""
+        dx = self.dx[r0:r1] if self.order is None else self.dx.new_empty(r1 - r0, self.dx.shape[1])
         if self.comm is None:
             product(dx)
         else:

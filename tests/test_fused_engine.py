@@ -440,7 +440,7 @@ def test_torch_dx_launch_takes_the_fewest_rounds(monkeypatch):
     cpu = torch.device("cpu")
     assert grad_gemms._dx_config(1024, 640, 6, cpu) == config.GRAD_GEMM_INTERPRETER_TORCH
     monkeypatch.setattr(fastmath, "ASM", True)
-    monkeypatch.setattr(grad_gemms, "programs", lambda items, cfg, device: 132)
+    monkeypatch.setattr(grad_gemms, "processors", lambda device: 132)
     picks = {}
     for n, h, v in ((1024, 640, 262144), (1024, 896, 151936), (1024, 4096, 128256), (256, 4096, 128256)):
         slices = dx_slices(n, h, v)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fce_core.plan import rows_fast
+from fce_core.plan import gemm_items, rows_fast
 
 from . import mgpu
 from .grad_gemms import ADD, F32, PAIR, WRITE, tma_rows
@@ -165,7 +165,7 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg):
     _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
     epilogue_bytes = sum(COMPUTE_WGS * slots * rows_e * cols_e * jnp.dtype(o.dtype).itemsize for o in outs)
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
-    items = pl.cdiv(m, cfg.tile_m) * pl.cdiv(n, cfg.tile_n) * slices
+    items = gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n)
     body = functools.partial(_kernel, m=m, n=n, k=k, slice_k=slice_k, slices=slices, a_t=a_t, mode=mode,
                              first=first, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, epilogue_bytes))
     given = [o for o in outs if not isinstance(o, jax.ShapeDtypeStruct)]

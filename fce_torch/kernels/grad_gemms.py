@@ -11,10 +11,10 @@ import triton
 import triton.language as tl
 
 from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL
-from fce_core.plan import dx_slices, rows_fast, waves
+from fce_core.plan import dx_slices, gemm_items, rows_fast, waves
 
 from . import fastmath as fm
-from .tma import descriptors, programs, stages
+from .tma import descriptors, processors, programs, stages
 from ..sums import pairwise_sum
 
 F32 = torch.float32
@@ -96,7 +96,7 @@ def _dx_config(n, hidden, slices, device):
     132 programs, the second nearly empty; 256x128 makes 120). The slices are the same (NUMERICS fields)."""
     if not fm.ASM:
         return GRAD_GEMM_INTERPRETER_TORCH
-    sms = programs(1 << 30, GRAD_GEMM_TORCH, device)
+    sms = processors(device)
     rounds = [waves(n, hidden, slices, c.tile_m, c.tile_n, sms) for c in (GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL)]
     return GRAD_GEMM_TORCH_TALL if rounds[1] < rounds[0] else GRAD_GEMM_TORCH
 
@@ -111,8 +111,7 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
     (aa, bb), tma = descriptors([(a, a_block), (b, (cfg.tile_k, cfg.tile_n))], cfg)
     a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
-    items = triton.cdiv(m, cfg.tile_m) * triton.cdiv(n, cfg.tile_n) * slices
-    _gemm_kernel[(programs(items, cfg, a.device),)](
+    _gemm_kernel[(programs(gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg, a.device),)](
         aa, *a_strides, bb, b.stride(0), 1, c, c if lo is None else lo, n, m, n, k, slice_k, slices, MODE=mode,
         FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
         TMA=tma, A_T=a_t, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),

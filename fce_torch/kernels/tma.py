@@ -37,12 +37,15 @@ def _processors(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def processors(device):
+    """The streaming multiprocessors of `device`; two off the GPU, so that the interpreter's persistent
+    programs loop too."""
+    if device.type != "cuda":
+        return 2
+    return _processors(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def programs(n_tiles, cfg, device):
     """Programs to launch for `n_tiles` output tiles: one each, or with `cfg.persistent` at most one per
-    streaming multiprocessor (two in the interpreter, so that its programs loop too), each computing every
-    that-many-th tile."""
-    if not cfg.persistent:
-        return n_tiles
-    if device.type != "cuda":
-        return min(n_tiles, 2)
-    return min(n_tiles, _processors(device.index if device.index is not None else torch.cuda.current_device()))
+    `processors(device)`, each computing every that-many-th tile."""
+    return min(n_tiles, processors(device)) if cfg.persistent else n_tiles
