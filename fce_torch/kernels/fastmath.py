@@ -105,3 +105,16 @@ def to_dtype(x, dtype: tl.constexpr, ASM: tl.constexpr):
         u = u + 0x7FFF + ((u >> 16) & 1)
         x = ((u >> 16) << 16).to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """a @ b with float32 accumulation. The interpreter's tl.dot is numpy's matmul, whose order of summation,
+    hence whose float32 bits, depends on the operand shapes (OpenBLAS' kernels): there the products are summed
+    in float64, exact for 16-bit operands (and all but exact for float32), then rounded once, so that every
+    tiling of a GEMM gives the same bits as on the GPU, where the K order alone sets them."""
+    if ASM:
+        r = tl.dot(a, b, input_precision=PRECISION)
+    else:
+        r = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee").to(tl.float32)
+    return r

@@ -14,7 +14,7 @@ from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_G
 from fce_core.plan import dx_slices, gemm_items, rows_fast, waves
 
 from . import fastmath as fm
-from .tma import descriptors, processors, programs, stages
+from .tma import ELEMENT_TYPES, descriptors, processors, programs, stages
 from ..sums import pairwise_sum
 
 F32 = torch.float32
@@ -22,14 +22,69 @@ WRITE, ADD, PAIR = 0, 1, 2  # the epilogues: C = acc in C's dtype; C (float32) +
 
 
 @triton.jit
+def _c_load(c_ptr, r0, c0, s_cm, M, N, BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr):
+    """The [BM, BN] block of the 2-D C at (r0, c0), zeros past its end (a descriptor's load reads zeros there)."""
+    if DESC:
+        v = c_ptr.load([r0, c0])
+    else:
+        rows = r0 + tl.arange(0, BM)
+        cols = c0 + tl.arange(0, BN)
+        v = tl.load(c_ptr + rows.to(tl.int64)[:, None] * s_cm + cols[None, :],
+                    mask=(rows < M)[:, None] & (cols < N)[None, :], other=0.0)
+    return v
+
+
+@triton.jit
+def _c_store(c_ptr, plane, r0, c0, v, s_cm, M, N, DESC: tl.constexpr, PLANES: tl.constexpr):
+    """v into C's block at (r0, c0) of its plane `plane` (C [n_slices, M, N] when PLANES), clipped at C's end."""
+    BM: tl.constexpr = v.shape[0]
+    BN: tl.constexpr = v.shape[1]
+    if DESC:
+        if PLANES:
+            c_ptr.store([plane, r0, c0], v.reshape([1, BM, BN]))
+        else:
+            c_ptr.store([r0, c0], v)
+    else:
+        rows = r0 + tl.arange(0, BM)
+        cols = c0 + tl.arange(0, BN)
+        tl.store(c_ptr + plane.to(tl.int64) * M * N + rows.to(tl.int64)[:, None] * s_cm + cols[None, :], v,
+                 mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr, FIRST: tl.constexpr,
+              C_DT: tl.constexpr, LO_DT: tl.constexpr, DESC: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
+    """C's block at (r0, c0) from the float32 product `acc`: WRITE, ADD or the (hi, lo) PAIR update."""
+    BM: tl.constexpr = acc.shape[0]
+    BN: tl.constexpr = acc.shape[1]
+    if MODE == 0:
+        _c_store(c_ptr, plane, r0, c0, fm.to_dtype(acc, C_DT, ASM), s_cm, M, N, DESC, PLANES)
+    elif MODE == 1:
+        _c_store(c_ptr, plane, r0, c0, _c_load(c_ptr, r0, c0, s_cm, M, N, BM, BN, DESC) + acc, s_cm, M, N, DESC,
+                 False)
+    else:
+        s = acc
+        if not FIRST:
+            s = (_c_load(c_ptr, r0, c0, s_cm, M, N, BM, BN, DESC).to(tl.float32)
+                 + _c_load(lo_ptr, r0, c0, s_cm, M, N, BM, BN, DESC).to(tl.float32)) + acc
+        hi = fm.to_dtype(s, C_DT, ASM)
+        _c_store(c_ptr, plane, r0, c0, hi, s_cm, M, N, DESC, False)
+        _c_store(lo_ptr, plane, r0, c0, fm.to_dtype(s - hi.to(tl.float32), LO_DT, ASM), s_cm, M, N, DESC, False)
+
+
+@triton.jit
 def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
                  MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
+                 C_DESC: tl.constexpr, C_DT: tl.constexpr, LO_DT: tl.constexpr, PLANES: tl.constexpr,
                  ROWS_FAST: tl.constexpr, FLATTEN: tl.constexpr, ASM: tl.constexpr):
-    # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]. A program
-    # computes the (tile, slice) items pid, pid + P, ... (P programs: one per item, or persistent); an item is
-    # its slice's K range [k_lo, k_hi) into the slice's [M, N] plane of C; tiles walk rows or columns
-    # fastest as `fce_core.plan.rows_fast` says.
+    # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]; c_ptr / lo_ptr
+    # when C_DESC (of C [n_slices, M, N] when PLANES). A program computes the (tile, slice) items pid, pid + P,
+    # ... (P programs: one per item, or persistent); an item is its slice's K range [k_lo, k_hi) into the
+    # slice's [M, N] plane of C; tiles walk rows or columns fastest as `fce_core.plan.rows_fast` says. The
+    # epilogue runs on the tile's two column halves: a pointer tensor of the whole tile would not fit in the
+    # registers next to the accumulator (ptxas spilled kilobytes per thread), nor would a descriptor store's
+    # staging of a float32 tile fit in shared memory next to the pipeline.
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     n_out = n_m * n_n
@@ -37,18 +92,14 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N
         tile = pid % n_out
         k_lo = (pid // n_out) * SLICE_K
         k_hi = tl.minimum(K, k_lo + SLICE_K)
-        plane = (pid // n_out).to(tl.int64) * M * N
         if ROWS_FAST:
             r0 = (tile % n_m) * BM
             c0 = (tile // n_m) * BN
         else:
             r0 = (tile // n_n) * BM
             c0 = (tile % n_n) * BN
-        rows = r0 + tl.arange(0, BM)
+        rows64 = (r0 + tl.arange(0, BM)).to(tl.int64)
         cols = c0 + tl.arange(0, BN)
-        row_ok = rows < M
-        col_ok = cols < N
-        rows64 = rows.to(tl.int64)
         ks = tl.arange(0, BK)
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(k_lo, k_hi, BK):
@@ -63,27 +114,15 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N
                 k_ok = (k < k_hi) | EVEN_K
                 k64 = k.to(tl.int64)
                 a = tl.load(a_ptr + rows64[:, None] * s_am + k64[None, :] * s_ak,
-                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                            mask=(rows64 < M)[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptr + k64[:, None] * s_bk + cols[None, :] * s_bn,
-                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if not ASM:  # the interpreter's dot would keep raw 16-bit products
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, b, input_precision=PRECISION)
-        ptrs = plane + rows64[:, None] * s_cm + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        if MODE == 0:
-            tl.store(c_ptr + ptrs, fm.to_dtype(acc, c_ptr.dtype.element_ty, ASM), mask=mask)
-        elif MODE == 1:
-            tl.store(c_ptr + ptrs, tl.load(c_ptr + ptrs, mask=mask, other=0.0) + acc, mask=mask)
-        else:
-            s = acc
-            if not FIRST:
-                s = (tl.load(c_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-                     + tl.load(lo_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)) + acc
-            hi = fm.to_dtype(s, c_ptr.dtype.element_ty, ASM)
-            tl.store(c_ptr + ptrs, hi, mask=mask)
-            tl.store(lo_ptr + ptrs, fm.to_dtype(s - hi.to(tl.float32), lo_ptr.dtype.element_ty, ASM), mask=mask)
+                            mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
+            acc += fm.dot(a, b, PRECISION, ASM)
+        plane = pid // n_out
+        left, right = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
+        _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC, PLANES, ASM)
+        _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC,
+                  PLANES, ASM)
 
 
 def _config():
@@ -102,19 +141,25 @@ def _dx_config(n, hidden, slices, device):
 
 
 def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
-    """C (or its `slices` [m, n] planes, one per slice of K) = A @ B with the epilogue `mode`: A [m, k] is
-    `a`, or `a`ᵀ when `a_t` (`a` [k, m]); B [k, n] is `b`; all with unit column strides."""
+    """C (or its `slices` [m, n] planes, one per slice of K: C [slices, m, n]) = A @ B with the epilogue
+    `mode`: A [m, k] is `a`, or `a`ᵀ when `a_t` (`a` [k, m]); B [k, n] is `b`; all with unit column strides,
+    C's rows contiguous."""
     cfg = cfg or _config()
     if m == 0 or n == 0:
         return
     slice_k = triton.cdiv(triton.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
     (aa, bb), tma = descriptors([(a, a_block), (b, (cfg.tile_k, cfg.tile_n))], cfg)
+    outs = [c] if lo is None else [c, lo]
+    half = (1,) * (c.dim() - 2) + (cfg.tile_m, cfg.tile_n // 2)  # the epilogue's column halves of a tile
+    outs, c_desc = descriptors([(o, half) for o in outs], cfg)
     a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
     _gemm_kernel[(programs(gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg, a.device),)](
-        aa, *a_strides, bb, b.stride(0), 1, c, c if lo is None else lo, n, m, n, k, slice_k, slices, MODE=mode,
+        aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], n, m, n, k, slice_k, slices, MODE=mode,
         FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
-        TMA=tma, A_T=a_t, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
+        TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
+        LO_DT=ELEMENT_TYPES[(c if lo is None else lo).dtype],
+        PLANES=c.dim() == 3, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
         FLATTEN=cfg.persistent and cfg.flatten, ASM=fm.ASM, num_warps=cfg.num_warps,
         num_stages=stages(cfg, a.element_size()))
 

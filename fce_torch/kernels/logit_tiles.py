@@ -17,7 +17,7 @@ from fce_core.config import GEMM, GEMM_INTERPRETER, TILE_ROWS
 from . import fastmath as fm
 from .fastmath import LOG2E
 from .row_stats import logit_transform
-from .tma import descriptors, programs, stages
+from .tma import ELEMENT_TYPES, descriptors, programs, stages
 from ..sums import pairwise_sum, row_sum
 
 F32 = torch.float32
@@ -30,11 +30,13 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
                         HAS_CW: tl.constexpr, HAS_Q: tl.constexpr, HAS_PZ: tl.constexpr, STORE: tl.constexpr,
                         PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        LOG2_BN: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr,
-                        ASM: tl.constexpr):
-    # x_ptr / w_ptr: TMA descriptors of x [n, H] and w [V, H] when TMA. A program computes the output tiles
-    # pid, pid + P, ... (P programs: one per tile, or persistent). Row blocks vary fastest: the programs that
-    # run together share one W tile, and the chunk's X stays in L2.
+                        LOG2_BN: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, E_DESC: tl.constexpr,
+                        E_DT: tl.constexpr, FLATTEN: tl.constexpr, ASM: tl.constexpr):
+    # x_ptr / w_ptr: TMA descriptors of x [n, H] and w [V, H] when TMA; e_ptr one of e [n, V] (blocks of half a
+    # tile's columns) when E_DESC: a pointer tensor of the whole tile would not fit in the registers next to
+    # the accumulator (ptxas spilled kilobytes per thread). A program computes the output tiles pid, pid + P,
+    # ... (P programs: one per tile, or persistent). Row blocks vary fastest: the programs that run together
+    # share one W tile, and the chunk's X stays in L2.
     n_m = tl.cdiv(n_rows, BM)
     for pid in tl.range(tl.program_id(0), n_m * n_tiles, tl.num_programs(0), flatten=FLATTEN):
         t = pid // n_m
@@ -56,10 +58,7 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * H + (k0 + ks)[None, :],
                             mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if not ASM:  # the interpreter's dot would keep raw 16-bit products
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)  # as the JAX twin writes it: one IR
+            acc += fm.dot(a, tl.trans(b), PRECISION, ASM)  # as the JAX twin writes it: one IR
 
         r = acc
         if HAS_BIAS:
@@ -67,15 +66,16 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
         z, _t = logit_transform(r, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, ASM)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_t = tl.max(z, axis=1)
-        e = fm.ex2((z - m_t[:, None]) * LOG2E, ASM)
         y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
         part = rows64 * n_tiles + t
         tl.store(m_ptr + part, m_t, mask=row_ok)
-        tl.store(s_ptr + part, row_sum(e, BM, BN, LOG2_BN), mask=row_ok)
+        # z's own reductions before e exists: z and e live together only where the head needs z - m_t
         tl.store(arg_ptr + part, tl.min(tl.where(z == m_t[:, None], cols[None, :], 2147483647), axis=1),
                  mask=row_ok)
         tl.store(zy_ptr + part, tl.max(tl.where(cols[None, :] == y[:, None], z, float("-inf")), axis=1),
                  mask=row_ok)
+        e = fm.ex2((z - m_t[:, None]) * LOG2E, ASM)
+        tl.store(s_ptr + part, row_sum(e, BM, BN, LOG2_BN), mask=row_ok)
         if HAS_Q or HAS_PZ:
             d = tl.where(col_ok[None, :], z - m_t[:, None], 0.0)
             if HAS_Q:
@@ -87,8 +87,14 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
             if HAS_PZ:
                 tl.store(pz_ptr + part, row_sum(fm.mul(e, d, ASM), BM, BN, LOG2_BN), mask=row_ok)
         if STORE:
-            tl.store(e_ptr + rows64[:, None] * stride_e + cols[None, :],
-                     fm.to_dtype(e, e_ptr.dtype.element_ty, ASM), mask=row_ok[:, None] & col_ok[None, :])
+            e16 = fm.to_dtype(e, E_DT, ASM)
+            if E_DESC:
+                left, right = e16.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
+                e_ptr.store([r0, t * BN], left)
+                e_ptr.store([r0, t * BN + BN // 2], right)
+            else:
+                tl.store(e_ptr + rows64[:, None] * stride_e + cols[None, :], e16,
+                         mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -141,14 +147,16 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
         return e, parts
     m = parts["m"]
     (xa, wa), tma = descriptors([(x, (cfg.tile_m, cfg.tile_k)), (w, (cfg.tile_n, cfg.tile_k))], cfg)
+    (ea,), e_desc = descriptors([(e, (cfg.tile_m, cfg.tile_n // 2))], cfg) if e is not None else ([x], False)
     _logit_tiles_kernel[(programs(triton.cdiv(n, cfg.tile_m) * n_tiles, cfg, x.device),)](
         xa, wa, bias if bias is not None else x, y_safe, class_weights if class_weights is not None else m,
-        x if e is None else e, 0 if e is None else e.stride(0), m, parts["s"], parts["amax"], parts["zy"],
+        ea, 0 if e is None else e.stride(0), m, parts["s"], parts["amax"], parts["zy"],
         parts.get("q", m), parts.get("pz", m), n, V, hidden, n_tiles, float(transform.softcap or 1.0),
         float(transform.temperature), HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None,
         HAS_TEMP=transform.has_temperature, HAS_CW=class_weights is not None, HAS_Q=spec.q, HAS_PZ=spec.pz,
         STORE=e is not None, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k,
         LOG2_BN=cfg.tile_n.bit_length() - 1, EVEN_K=hidden % cfg.tile_k == 0, TMA=tma,
+        E_DESC=e_desc, E_DT=ELEMENT_TYPES[(x if e is None else e).dtype],
         FLATTEN=cfg.persistent and cfg.flatten, ASM=fm.ASM,
         num_warps=cfg.num_warps, num_stages=stages(cfg, x.element_size()))
     return e, parts

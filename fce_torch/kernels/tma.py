@@ -4,13 +4,18 @@ reads zeros, the values of the masked pointer loads it replaces, so both give th
 import functools
 
 import torch
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+# The element types of arrays that a kernel stores into, passed as constexprs: its arguments may be descriptors.
+ELEMENT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def tma_ready(*arrays):
-    """Whether TMA can load every [rows, cols] array: unit column stride, 16-byte aligned start and rows."""
-    return all(a.dim() == 2 and a.stride(1) == 1 and a.data_ptr() % 16 == 0
-               and a.stride(0) * a.element_size() % 16 == 0 for a in arrays)
+    """Whether TMA can load or store every array of 2 or more dimensions: unit last stride, 16-byte aligned
+    start and other strides."""
+    return all(a.dim() >= 2 and a.stride(-1) == 1 and a.data_ptr() % 16 == 0
+               and all(st * a.element_size() % 16 == 0 for st in a.stride()[:-1]) for a in arrays)
 
 
 def descriptors(arrays_blocks, cfg):

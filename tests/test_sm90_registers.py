@@ -1,0 +1,81 @@
+"""fce_torch's GEMM kernels compiled for the H200 (sm_90a) on this CPU, with the ptxas that the triton wheel
+ships: their epilogues must not spill registers (a pointer tensor of a whole output tile beside the
+accumulator spilled kilobytes per thread, bench/results/nvidia-h200/epilogue-registers/). Compiled in a
+subprocess: this process runs the kernels in the Triton interpreter."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def _spilled(kernel, signature, constants, warps=8, stages=3):
+    for name in constants:
+        signature[name] = "constexpr"
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptx = compiled.asm["ptx"]
+    result = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", "-", "-o", os.devnull], input=ptx,
+                            capture_output=True, text=True, check=False)
+    if result.returncode:  # older ptxas read no stdin: a file then
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fce_sm90_{os.getpid()}.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        result = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull],
+                                capture_output=True, text=True, check=True)
+    return int(re.search(r"(\d+) bytes spill stores", result.stderr).group(1))
+
+
+@pytest.mark.parametrize("mode, first, bm, bn, c_dt, a_t", [
+    (2, False, 256, 128, "bf16", True), (2, True, 128, 256, "bf16", True), (0, False, 128, 256, "bf16", False),
+    (1, False, 128, 256, "fp32", True)])
+def test_grad_gemm_epilogue_does_not_spill(mode, first, bm, bn, c_dt, a_t):
+    assert _in_compiler("grad", mode, first, bm, bn, c_dt, a_t) == 0
+
+
+def _grad(mode, first, bm, bn, c_dt, a_t):
+    from fce_torch.kernels import grad_gemms
+    c_block = f"[{bm},{bn // 2}]"
+    sig = dict(a_ptr=f"tensordesc<bf16[64,{bm}]>" if a_t else f"tensordesc<bf16[{bm},64]>", s_am="i32",
+               s_ak="i32", b_ptr=f"tensordesc<bf16[64,{bn}]>", s_bk="i32", s_bn="i32",
+               c_ptr=f"tensordesc<{c_dt}{c_block}>", lo_ptr=f"tensordesc<{c_dt}{c_block}>", s_cm="i32", M="i32",
+               N="i32", K="i32", SLICE_K="i32", n_slices="i32")
+    dt = tl.bfloat16 if c_dt == "bf16" else tl.float32
+    consts = dict(MODE=mode, FIRST=first, PRECISION="ieee", BM=bm, BN=bn, BK=64, EVEN_K=True, TMA=True, A_T=a_t,
+                  C_DESC=True, C_DT=dt, LO_DT=dt, PLANES=False, ROWS_FAST=False, FLATTEN=False, ASM=True)
+    return _spilled(grad_gemms._gemm_kernel, sig, consts)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_logits_gemm_epilogue_does_not_spill(store):
+    assert _in_compiler("logits", store) == 0
+
+
+def _logits(store):
+    from fce_torch.kernels import logit_tiles
+    sig = dict(x_ptr="tensordesc<bf16[128,64]>", w_ptr="tensordesc<bf16[256,64]>", bias_ptr="*bf16",
+               y_ptr="*i32", cw_ptr="*fp32", e_ptr="tensordesc<bf16[128,128]>", stride_e="i32", m_ptr="*fp32",
+               s_ptr="*fp32", arg_ptr="*i32", zy_ptr="*fp32", q_ptr="*fp32", pz_ptr="*fp32", n_rows="i32",
+               V="i32", H="i32", n_tiles="i32", softcap="fp32", temperature="fp32")
+    consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_TEMP=False, HAS_CW=False, HAS_Q=False, HAS_PZ=False,
+                  STORE=store, PRECISION="ieee", BM=128, BN=256, BK=64, LOG2_BN=8, EVEN_K=True, TMA=True,
+                  E_DESC=store, E_DT=tl.bfloat16, FLATTEN=False, ASM=True)
+    return _spilled(logit_tiles._logit_tiles_kernel, sig, consts)
+
+
+def _in_compiler(kind, *args):
+    """Bytes spilled per thread by the case, compiled with the interpreter off."""
+    code = (f"import json, sys; from tests import test_sm90_registers as t; "
+            f"print(t._{kind}(*json.loads(sys.argv[1])))")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.split()[-1])
