@@ -102,7 +102,6 @@ class GradGemmConfig:
     persistent: bool = False
     flatten: bool = False  # as GemmConfig's (fce_torch)
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
-    dx_spread: float = 0.5  # one launch of dX and dW (fce_torch): dX's items among the first dW's (plan.dx_dw_span)
 
 
 @dataclass(frozen=True)

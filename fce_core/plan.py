@@ -157,16 +157,6 @@ def gemm_items(m: int, n: int, slices: int, tile_m: int, tile_n: int) -> int:
     return -(-m // tile_m) * -(-n // tile_n) * slices
 
 
-def dx_dw_span(dx_items: int, dw_items: int, spread: float) -> int:
-    """The first places of the work queue of one launch of both gradient GEMMs over which dX's items are spread
-    evenly, with dW's items in the gaps and after: dX's items plus `spread` of dW's. A dX item runs a long K
-    loop (V, or a slice of it) and no memory-bound epilogue, a dW item a short one (a chunk's rows) and reads
-    and writes its tile of the accumulator; mixed, the multiprocessors do not all stall on memory at once.
-    Taking every dX item early leaves no long item for the end. Speed only: the queue orders items, whose bits
-    do not depend on it."""
-    return dx_items + round(spread * dw_items)
-
-
 def waves(m: int, n: int, slices: int, tile_m: int, tile_n: int, processors: int) -> int:
     """Rounds of `processors` programs that the `gemm_items` of an [m, n] GEMM take."""
     return -(-gemm_items(m, n, slices, tile_m, tile_n) // processors)

@@ -15,7 +15,7 @@ from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 from . import arrays, gemm
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .kernels.fastmath import ASM
-from .kernels.grad_gemms import dw_step, dx_and_dw, dx_gemm
+from .kernels.grad_gemms import dw_accumulate, dw_first, dw_gemm, dx_gemm
 from .kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
 from .kernels.row_stats import row_stats
 from .kernels.tile_dlogits import tile_dlogits
@@ -86,19 +86,19 @@ class _Grads:
             accumulate_bias_grad(dz, self.db)
 
     def _add_own(self, dz, r0, r1, x_rows):
-        """`add` with the fused engine's GEMMs, both in one launch when both run (`grad_gemms.dx_and_dw`): dW
-        written once in the weight's dtype (`single`), or accumulated as `grad_gemms.dw_first` starts it (a
-        bfloat16 (hi, lo) pair, else float32); vocab-parallel, dX from the shards' float32 parts as in `add`."""
+        """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
+        accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); vocab-parallel,
+        dX from the shards' float32 parts as in `add`."""
         precision = gemm.triton_precision(dz)
-        if self.need_dx and self.need_dw:
-            def both(out):
-                self.dw = dx_and_dw(dz, self.w, out, x_rows, self.dw, self.w.dtype, self.single, precision)
-                return out
-            self._dx(r0, r1, both)
-        elif self.need_dx:
+        if self.need_dx:
             self._dx(r0, r1, lambda out: dx_gemm(dz, self.w, out, precision))
-        elif self.need_dw:
-            self.dw = dw_step(dz, x_rows, self.dw, self.w.dtype, self.single, precision)
+        if self.need_dw:
+            if self.single:
+                self.dw = dw_gemm(dz, x_rows, self.w.dtype, precision)
+            elif self.dw is None:
+                self.dw = dw_first(dz, x_rows, self.w.dtype, precision)
+            else:
+                dw_accumulate(dz, x_rows, self.dw, precision)
         if self.db is not None:
             accumulate_bias_grad(dz, self.db)
 

@@ -458,8 +458,8 @@ def test_torch_dx_launch_takes_the_fewest_rounds(monkeypatch):
 def test_torch_launch_variants_same_bits(dtype, hidden):
     """fce_torch's GEMMs with and without TMA operand loads, the persistent launch and other tiles (dX/dW):
     the same bits for the logits GEMM's tile values and partials, dX over several V slices, and dW written,
-    accumulated in float32 and as the (hi, lo) pair, each alone or dX and dW in one launch. Rows of 40 bytes
-    (bfloat16, H = 20) are not TMA-aligned: pointer loads there."""
+    accumulated in float32 and as the (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are not TMA-aligned:
+    pointer loads there."""
     from fce_core.config import GRAD_GEMM_INTERPRETER
     from fce_core.plan import dx_slices
     from fce_torch.kernels import grad_gemms, logit_tiles
@@ -484,14 +484,6 @@ def test_torch_launch_variants_same_bits(dtype, hidden):
         acc = grad_gemms.dw_first(dz[:20], x[:20], dt, precision, cfg=grad_cfg)
         acc = grad_gemms.dw_accumulate(dz[20:], x[20:], acc, precision, cfg=grad_cfg)
         written = grad_gemms.dw_gemm(dz, x, dt, precision, cfg=grad_cfg)
-        both = [torch.empty_like(x), torch.empty_like(x)]   # dX and dW of a chunk in one launch: the same bits
-        one = grad_gemms.dx_and_dw(dz, w, both[0], x, None, dt, True, precision, cfg=grad_cfg, dx_cfg=grad_cfg)
-        two = grad_gemms.dx_and_dw(dz[:20], w, both[1][:20], x[:20], None, dt, False, precision, cfg=grad_cfg,
-                                   dx_cfg=grad_cfg)
-        two = grad_gemms.dx_and_dw(dz[20:], w, both[1][20:], x[20:], two, dt, False, precision, cfg=grad_cfg,
-                                   dx_cfg=grad_cfg)
-        assert torch.equal(both[0], dx) and torch.equal(both[1], dx) and torch.equal(one, written)
-        assert all(map(torch.equal, *((t if isinstance(t, tuple) else (t,)) for t in (acc, two))))
         runs.append([e, *parts.values(), dx, *(acc if isinstance(acc, tuple) else (acc,)), written])
     want = (dz.double() @ w.double(), dz.double().T @ x.double())
     assert float((runs[0][-1].double() - want[1]).abs().max()) <= 1e-2 * float(want[1].abs().max())

@@ -10,9 +10,7 @@
 #   peers     the peers' own test files against the drop-ins (needs .peers/sdist and .peers/cce-main carried)
 #   parity    python -m parity          op, logprobs, cpo, sft, profile: python -m bench <job>
 #   kernels   python tools/fused_kernels.py, the fused GEMMs one by one (KERNELS_ARGS="--grads 4096,4096,128256")
-#   dxdw      python tools/dx_dw_launch.py, dX and dW apart or in one launch (DXDW_ARGS="16384,4096,128256")
-# Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, LOGPROBS_ARGS, CPO_ARGS, SFT_ARGS, KERNELS_ARGS,
-# DXDW_ARGS;
+# Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, LOGPROBS_ARGS, CPO_ARGS, SFT_ARGS, KERNELS_ARGS;
 # JOB_TIMEOUT (seconds, default 1800) bounds each job, <JOB>_TIMEOUT (e.g. PARITY_TIMEOUT) one of them.
 set -u
 out=${OUT:-out}
@@ -33,7 +31,6 @@ for job in "$@"; do
                 --json "$results/$job/peers-cce-main.json" ;;
     parity)   timeout "$limit" python -m parity --no-progress --out "$results/$job" ${PARITY_ARGS:-} ;;
     kernels)  timeout "$limit" python tools/fused_kernels.py "$results/$job" ${KERNELS_ARGS:-} ;;
-    dxdw)     timeout "$limit" python tools/dx_dw_launch.py "$results/$job" ${DXDW_ARGS:-} ;;
     op)       timeout "$limit" python -m bench op --out "$results/$job" ${OP_ARGS:-} ;;
     logprobs) timeout "$limit" python -m bench logprobs --out "$results/$job" ${LOGPROBS_ARGS:-} ;;
     cpo)      timeout "$limit" python -m bench cpo --out "$results/$job" ${CPO_ARGS:-} ;;

@@ -6,14 +6,12 @@ s = (hi + lo) + dZᵀ X. hi is then the rounded result, so no float32 [V, H] buf
 exist (the pair has about 16 significant bits: each step adds at most 2**-18 relative error, far below the
 final rounding). Twin: fce_jax/kernels/grad_gemms.py.
 """
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL
-from fce_core.plan import dx_dw_span, dx_slices, gemm_items, rows_fast, waves
+from fce_core.plan import dx_slices, gemm_items, rows_fast, waves
 
 from . import fastmath as fm
 from .tma import ELEMENT_TYPES, descriptors, processors, programs, stages
@@ -75,101 +73,56 @@ def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr,
 
 
 @triton.jit
-def _item(pid, a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
-          MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr, C_DESC: tl.constexpr,
-          C_DT: tl.constexpr, LO_DT: tl.constexpr, PLANES: tl.constexpr, ROWS_FAST: tl.constexpr,
-          ASM: tl.constexpr):
-    # One (tile, slice) item `pid` of C = A @ B: a_ptr / b_ptr are TMA descriptors when TMA, of A [M, K] (of
-    # Aᵀ [K, M] when A_T) and B [K, N]; c_ptr / lo_ptr when C_DESC (of C [n_slices, M, N] when PLANES). The
-    # item is its slice's K range [k_lo, k_hi) into the slice's [M, N] plane of C; tiles walk rows or columns
-    # fastest as `fce_core.plan.rows_fast` says. The epilogue runs on the tile's two column halves: a pointer
-    # tensor of the whole tile would not fit in the registers next to the accumulator (ptxas spilled kilobytes
-    # per thread), nor would a descriptor store's staging of a float32 tile fit in shared memory next to the
-    # pipeline.
-    n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    n_out = n_m * n_n
-    tile = pid % n_out
-    k_lo = (pid // n_out) * SLICE_K
-    k_hi = tl.minimum(K, k_lo + SLICE_K)
-    if ROWS_FAST:
-        r0 = (tile % n_m) * BM
-        c0 = (tile // n_m) * BN
-    else:
-        r0 = (tile // n_n) * BM
-        c0 = (tile % n_n) * BN
-    rows64 = (r0 + tl.arange(0, BM)).to(tl.int64)
-    cols = c0 + tl.arange(0, BN)
-    ks = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        if TMA:  # a slice's K range is whole tile_k steps: a load past k_hi is past K, zeros
-            if A_T:
-                a = tl.trans(a_ptr.load([k0, r0]))
-            else:
-                a = a_ptr.load([r0, k0])
-            b = b_ptr.load([k0, c0])
-        else:
-            k = k0 + ks
-            k_ok = (k < k_hi) | EVEN_K
-            k64 = k.to(tl.int64)
-            a = tl.load(a_ptr + rows64[:, None] * s_am + k64[None, :] * s_ak,
-                        mask=(rows64 < M)[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptr + k64[:, None] * s_bk + cols[None, :] * s_bn,
-                        mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
-        acc += fm.dot(a, b, PRECISION, ASM)
-    plane = pid // n_out
-    left, right = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
-    _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC, PLANES, ASM)
-    _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC,
-              PLANES, ASM)
-
-
-@triton.jit
 def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
                  MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
                  C_DESC: tl.constexpr, C_DT: tl.constexpr, LO_DT: tl.constexpr, PLANES: tl.constexpr,
                  ROWS_FAST: tl.constexpr, FLATTEN: tl.constexpr, ASM: tl.constexpr):
-    # A program computes the items pid, pid + P, ... (P programs: one per item, or persistent).
-    n_items = tl.cdiv(M, BM) * tl.cdiv(N, BN) * n_slices
-    for pid in tl.range(tl.program_id(0), n_items, tl.num_programs(0), flatten=FLATTEN):
-        _item(pid, a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices, MODE,
-              FIRST, PRECISION, BM, BN, BK, EVEN_K, TMA, A_T, C_DESC, C_DT, LO_DT, PLANES, ROWS_FAST, ASM)
-
-
-@triton.jit
-def _dx_dw_kernel(next_item, span,
-                  xa, x_sam, x_sak, xb, x_sbk, x_sbn, xc, xlo, x_scm, x_m, x_n, x_k, x_slice_k, x_slices,
-                  wa, w_sam, w_sak, wb, w_sbk, w_sbn, wc, wlo, w_scm, w_m, w_n, w_k, w_slice_k, w_slices,
-                  X_MODE: tl.constexpr, X_FIRST: tl.constexpr, X_BM: tl.constexpr, X_BN: tl.constexpr,
-                  X_BK: tl.constexpr, X_EVEN_K: tl.constexpr, X_TMA: tl.constexpr, X_A_T: tl.constexpr,
-                  X_C_DESC: tl.constexpr, X_C_DT: tl.constexpr, X_LO_DT: tl.constexpr, X_PLANES: tl.constexpr,
-                  X_ROWS_FAST: tl.constexpr,
-                  W_MODE: tl.constexpr, W_FIRST: tl.constexpr, W_BM: tl.constexpr, W_BN: tl.constexpr,
-                  W_BK: tl.constexpr, W_EVEN_K: tl.constexpr, W_TMA: tl.constexpr, W_A_T: tl.constexpr,
-                  W_C_DESC: tl.constexpr, W_C_DT: tl.constexpr, W_LO_DT: tl.constexpr, W_PLANES: tl.constexpr,
-                  W_ROWS_FAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr):
-    # dX's and dW's items in one launch, so that dW's memory-bound epilogues (the (hi, lo) pair read and
-    # written per tile) run while other multiprocessors are in dX's long K loops instead of all at once. The
-    # programs take items from one queue (`next_item`, an int32 counter at 0): dX's items spread evenly over
-    # its first `span` places (`fce_core.plan.dx_dw_queue`), dW's in the gaps and after. The queue orders
-    # work, not sums: every item is the one of the separate launches, so are its bits.
-    n_x = tl.cdiv(x_m, X_BM) * tl.cdiv(x_n, X_BN) * x_slices
-    n_all = n_x + tl.cdiv(w_m, W_BM) * tl.cdiv(w_n, W_BN) * w_slices
-    q = tl.atomic_add(next_item, 1)
-    while q < n_all:
-        before = (q.to(tl.int64) * n_x // span).to(tl.int32)  # dX's items ahead of place q (within the span)
-        if q < span and ((q + 1).to(tl.int64) * n_x // span).to(tl.int32) > before:
-            _item(before, xa, x_sam, x_sak, xb, x_sbk, x_sbn, xc, xlo, x_scm, x_m, x_n, x_k, x_slice_k, x_slices,
-                  X_MODE, X_FIRST, PRECISION, X_BM, X_BN, X_BK, X_EVEN_K, X_TMA, X_A_T, X_C_DESC, X_C_DT,
-                  X_LO_DT, X_PLANES, X_ROWS_FAST, ASM)
+    # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]; c_ptr / lo_ptr
+    # when C_DESC (of C [n_slices, M, N] when PLANES). A program computes the (tile, slice) items pid, pid + P,
+    # ... (P programs: one per item, or persistent); an item is its slice's K range [k_lo, k_hi) into the
+    # slice's [M, N] plane of C; tiles walk rows or columns fastest as `fce_core.plan.rows_fast` says. The
+    # epilogue runs on the tile's two column halves: a pointer tensor of the whole tile would not fit in the
+    # registers next to the accumulator (ptxas spilled kilobytes per thread), nor would a descriptor store's
+    # staging of a float32 tile fit in shared memory next to the pipeline.
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    n_out = n_m * n_n
+    for pid in tl.range(tl.program_id(0), n_out * n_slices, tl.num_programs(0), flatten=FLATTEN):
+        tile = pid % n_out
+        k_lo = (pid // n_out) * SLICE_K
+        k_hi = tl.minimum(K, k_lo + SLICE_K)
+        if ROWS_FAST:
+            r0 = (tile % n_m) * BM
+            c0 = (tile // n_m) * BN
         else:
-            _item(q - tl.minimum(before, n_x), wa, w_sam, w_sak, wb, w_sbk, w_sbn, wc, wlo, w_scm, w_m, w_n,
-                  w_k, w_slice_k, w_slices, W_MODE, W_FIRST, PRECISION, W_BM, W_BN, W_BK, W_EVEN_K, W_TMA,
-                  W_A_T, W_C_DESC, W_C_DT, W_LO_DT, W_PLANES, W_ROWS_FAST, ASM)
-        q = tl.atomic_add(next_item, 1)
+            r0 = (tile // n_n) * BM
+            c0 = (tile % n_n) * BN
+        rows64 = (r0 + tl.arange(0, BM)).to(tl.int64)
+        cols = c0 + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            if TMA:  # a slice's K range is whole tile_k steps: a load past k_hi is past K, zeros
+                if A_T:
+                    a = tl.trans(a_ptr.load([k0, r0]))
+                else:
+                    a = a_ptr.load([r0, k0])
+                b = b_ptr.load([k0, c0])
+            else:
+                k = k0 + ks
+                k_ok = (k < k_hi) | EVEN_K
+                k64 = k.to(tl.int64)
+                a = tl.load(a_ptr + rows64[:, None] * s_am + k64[None, :] * s_ak,
+                            mask=(rows64 < M)[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptr + k64[:, None] * s_bk + cols[None, :] * s_bn,
+                            mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
+            acc += fm.dot(a, b, PRECISION, ASM)
+        plane = pid // n_out
+        left, right = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
+        _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC, PLANES, ASM)
+        _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC,
+                  PLANES, ASM)
 
 
 def _config():
@@ -187,22 +140,13 @@ def _dx_config(n, hidden, slices, device):
     return GRAD_GEMM_TORCH_TALL if rounds[1] < rounds[0] else GRAD_GEMM_TORCH
 
 
-@dataclass(frozen=True)
-class _Launch:
-    """One GEMM's arguments and constexprs of `_item` (PRECISION and ASM aside), its items and its config."""
-    args: tuple
-    consts: dict
-    items: int
-    cfg: object
-
-
-def _launch(a, a_t, b, c, lo, m, n, k, mode, first=False, slices=1, cfg=None):
-    """The launch of C (or its `slices` [m, n] planes, one per slice of K: C [slices, m, n]) = A @ B with the
-    epilogue `mode`: A [m, k] is `a`, or `a`ᵀ when `a_t` (`a` [k, m]); B [k, n] is `b`; all with unit column
-    strides, C's rows contiguous. None when C is empty."""
+def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
+    """C (or its `slices` [m, n] planes, one per slice of K: C [slices, m, n]) = A @ B with the epilogue
+    `mode`: A [m, k] is `a`, or `a`ᵀ when `a_t` (`a` [k, m]); B [k, n] is `b`; all with unit column strides,
+    C's rows contiguous."""
     cfg = cfg or _config()
     if m == 0 or n == 0:
-        return None
+        return
     slice_k = triton.cdiv(triton.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
     (aa, bb), tma = descriptors([(a, a_block), (b, (cfg.tile_k, cfg.tile_n))], cfg)
@@ -210,106 +154,56 @@ def _launch(a, a_t, b, c, lo, m, n, k, mode, first=False, slices=1, cfg=None):
     half = (1,) * (c.dim() - 2) + (cfg.tile_m, cfg.tile_n // 2)  # the epilogue's column halves of a tile
     outs, c_desc = descriptors([(o, half) for o in outs], cfg)
     a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
-    args = (aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], n, m, n, k, slice_k, slices)
-    consts = dict(MODE=mode, FIRST=first, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
-                  TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
-                  LO_DT=ELEMENT_TYPES[(c if lo is None else lo).dtype], PLANES=c.dim() == 3,
-                  ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n))
-    return _Launch(args, consts, gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg)
-
-
-def _run(launch, precision, device, itemsize):
-    """`launch` by `_gemm_kernel`."""
-    if launch is None:
-        return
-    cfg = launch.cfg
-    _gemm_kernel[(programs(launch.items, cfg, device),)](
-        *launch.args, **launch.consts, PRECISION=precision, FLATTEN=cfg.persistent and cfg.flatten, ASM=fm.ASM,
-        num_warps=cfg.num_warps, num_stages=stages(cfg, itemsize))
-
-
-def _run_both(dx, dw, precision, device, itemsize):
-    """The launches `dx` and `dw` by one `_dx_dw_kernel`, persistent programs taking their items from one queue
-    (`fce_core.plan.dx_dw_span`); either alone by `_gemm_kernel`."""
-    if dx is None or dw is None:
-        return _run(dx or dw, precision, device, itemsize)
-    shared = [(c.num_warps, stages(c, itemsize)) for c in (dx.cfg, dw.cfg)]
-    if shared[0] != shared[1]:
-        raise ValueError(f"dX's and dW's launches differ in warps and stages {shared}: one kernel runs both")
-    span = dx_dw_span(dx.items, dw.items, dw.cfg.dx_spread)
-    next_item = torch.zeros(1, device=device, dtype=torch.int32)
-    consts = {**{"X_" + k: v for k, v in dx.consts.items()}, **{"W_" + k: v for k, v in dw.consts.items()}}
-    _dx_dw_kernel[(min(dx.items + dw.items, processors(device)),)](
-        next_item, span, *dx.args, *dw.args, **consts, PRECISION=precision, ASM=fm.ASM, num_warps=shared[0][0],
-        num_stages=shared[0][1])
-
-
-def _dx_launch(dz, w, out, cfg=None):
-    """dX = dZ [n, V] @ w [V, H] into out [n, H] (contiguous rows), rounded once to out's dtype, over
-    `fce_core.plan.dx_slices` slices of V: its launch and what then gives out (the float32 planes of several
-    slices summed by `pairwise_sum`)."""
-    (n, vocab), hidden = dz.shape, w.shape[1]
-    slices = dx_slices(n, hidden, vocab, cfg or _config())
-    cfg = cfg or _dx_config(n, hidden, slices, dz.device)
-    planes = out if slices == 1 else torch.empty(slices, n, hidden, device=dz.device, dtype=F32)
-    launch = _launch(dz, False, w, planes, None, n, hidden, vocab, WRITE, slices=slices, cfg=cfg)
-    return launch, (lambda: out) if slices == 1 else (lambda: out.copy_(pairwise_sum(planes.permute(1, 2, 0))))
-
-
-def _dw_launch(dz, x, acc, dtype, single, cfg=None):
-    """dW's step of dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]): a new [V, H] array of
-    `dtype` when `single` (the only product); else, acc None, the first of several chunks' products, a (hi, lo)
-    pair for a bfloat16 weight, float32 otherwise; else added into the accumulator acc. Its launch and dW's
-    array or accumulator."""
-    first = acc is None and not single and dtype == torch.bfloat16
-    if acc is None:
-        c = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype if single or first else F32)
-        acc = (c, torch.empty_like(c)) if first else c
-        mode = PAIR if first else WRITE
-    else:
-        mode = PAIR if isinstance(acc, tuple) else ADD
-    c, lo = acc if isinstance(acc, tuple) else (acc, None)
-    return _launch(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0], mode, first=first, cfg=cfg), acc
+    _gemm_kernel[(programs(gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg, a.device),)](
+        aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], n, m, n, k, slice_k, slices, MODE=mode,
+        FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
+        TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
+        LO_DT=ELEMENT_TYPES[(c if lo is None else lo).dtype],
+        PLANES=c.dim() == 3, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
+        FLATTEN=cfg.persistent and cfg.flatten, ASM=fm.ASM, num_warps=cfg.num_warps,
+        num_stages=stages(cfg, a.element_size()))
 
 
 def dx_gemm(dz, w, out, precision="ieee", cfg=None):
     """out [n, H] (contiguous rows) = dZ [n, V] @ w [V, H], rounded once to out's dtype; over
     `fce_core.plan.dx_slices` slices of V, their float32 planes summed by `pairwise_sum`, when that is
     more than one."""
-    launch, result = _dx_launch(dz, w, out, cfg)
-    _run(launch, precision, dz.device, dz.element_size())
-    return result()
+    (n, vocab), hidden = dz.shape, w.shape[1]
+    slices = dx_slices(n, hidden, vocab, cfg or _config())
+    cfg = cfg or _dx_config(n, hidden, slices, dz.device)
+    planes = out if slices == 1 else torch.empty(slices, n, hidden, device=dz.device, dtype=F32)
+    _run(dz, False, w, planes, None, n, hidden, vocab, WRITE, precision=precision, slices=slices, cfg=cfg)
+    return out if slices == 1 else out.copy_(pairwise_sum(planes.permute(1, 2, 0)))
+
+
+def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None):
+    """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`."""
+    _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0], mode, first=first, precision=precision,
+         cfg=cfg)
 
 
 def dw_gemm(dz, x, dtype, precision="ieee", cfg=None):
     """A new [V, H] dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`."""
-    return dw_step(dz, x, None, dtype, True, precision, cfg)
+    out = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
+    _dz_t_x(dz, x, out, None, WRITE, precision=precision, cfg=cfg)
+    return out
 
 
 def dw_accumulate(dz, x, acc, precision="ieee", cfg=None):
     """acc += dZᵀ @ x in place, acc being `dw_first`'s: a float32 [V, H] tensor or a (hi, lo) pair.
     Returns acc."""
-    return dw_step(dz, x, acc, None, False, precision, cfg)
+    if isinstance(acc, tuple):
+        _dz_t_x(dz, x, *acc, PAIR, precision=precision, cfg=cfg)
+    else:
+        _dz_t_x(dz, x, acc, None, ADD, precision=precision, cfg=cfg)
+    return acc
 
 
 def dw_first(dz, x, dtype, precision="ieee", cfg=None):
     """The first chunk's accumulator: a (hi, lo) pair for a bfloat16 weight, else float32."""
-    return dw_step(dz, x, None, dtype, False, precision, cfg)
-
-
-def dw_step(dz, x, acc, dtype, single, precision="ieee", cfg=None):
-    """dW's step of one chunk as `_dw_launch` says (`dw_gemm` when `single`, `dw_first` when acc is None, else
-    `dw_accumulate`). Returns dW's array or accumulator."""
-    launch, acc = _dw_launch(dz, x, acc, dtype, single, cfg)
-    _run(launch, precision, x.device, dz.element_size())
-    return acc
-
-
-def dx_and_dw(dz, w, dx_out, x, acc, dtype, single, precision="ieee", cfg=None, dx_cfg=None):
-    """Both gradient GEMMs of dZ [n, V] in one launch (`_dx_dw_kernel`), each with the bits it has alone:
-    `dx_gemm(dz, w, dx_out)` and `dw_step(dz, x, acc, dtype, single)`. Returns dW's array or accumulator."""
-    dx, result = _dx_launch(dz, w, dx_out, dx_cfg)
-    dw, acc = _dw_launch(dz, x, acc, dtype, single, cfg)
-    _run_both(dx, dw, precision, dz.device, dz.element_size())
-    result()
-    return acc
+    if dtype != torch.bfloat16:
+        return dw_gemm(dz, x, F32, precision, cfg)
+    hi = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
+    lo = torch.empty_like(hi)
+    _dz_t_x(dz, x, hi, lo, PAIR, first=True, precision=precision, cfg=cfg)
+    return hi, lo
