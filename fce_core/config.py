@@ -78,8 +78,6 @@ class GemmConfig:
     tma: bool = True
     persistent: bool = True
     flatten: bool = False
-    programs_per_sm: int = 1  # persistent programs per multiprocessor: with 2, one's epilogue runs under the
-    # other's MMAs when both fit (registers, shared memory); speed only
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,6 @@ class GradGemmConfig:
     tma: bool = False
     persistent: bool = False
     flatten: bool = False  # as GemmConfig's (fce_torch)
-    programs_per_sm: int = 1  # as GemmConfig's (fce_torch)
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
 
 

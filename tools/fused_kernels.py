@@ -31,17 +31,9 @@ from fce_torch.kernels import logit_tiles as tt
 LAUNCH = dict(tma=False, persistent=False)  # fce_torch's pointer-load kernels, one program per tile
 VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
     dict(tma=True), dict(tma=True, persistent=True), dict(tma=True, persistent=True, flatten=True),
-    dict(tma=True, persistent=True, flatten=True, num_stages=4),
-    # two programs per multiprocessor (each's epilogue under the other's MMAs), persistent or one per tile
-    dict(tma=True, persistent=True, tile_m=64, num_warps=4, num_stages=2, programs_per_sm=2),
-    dict(tma=True, tile_m=64, num_warps=4, num_stages=2))]
+    dict(tma=True, persistent=True, flatten=True, num_stages=4))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
-    {}, dict(flatten=True), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=True),
-    # two programs per multiprocessor: each's epilogue under the other's MMAs (both fit: registers, shared memory)
-    dict(tile_n=128, num_warps=4, num_stages=2, programs_per_sm=2), dict(tile_n=128, num_warps=4, num_stages=2,
-                                                                           persistent=False),
-    dict(tile_m=64, num_warps=4, num_stages=2, programs_per_sm=2), dict(tile_n=128, num_stages=2, programs_per_sm=2),
-    dict(persistent=False))]
+    {}, dict(flatten=True), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=True))]
 # the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, and 128x256)
 JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256)]
 
@@ -49,7 +41,7 @@ JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_
 def _tag(cfg):
     return (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
             + " tma" * cfg.tma + " persistent" * cfg.persistent + " flatten" * cfg.flatten
-            + " mosaic" * getattr(cfg, "mosaic", False) + f" {cfg.programs_per_sm}/sm" * (cfg.programs_per_sm > 1))
+            + " mosaic" * getattr(cfg, "mosaic", False))
 
 
 def grad_rows(n, h, v):
