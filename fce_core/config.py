@@ -134,6 +134,7 @@ GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persisten
 # fce_torch's dX on 256x128 tiles where they take fewer rounds of the multiprocessors than 128x256 (H = 640:
 # 0.57 ms against 0.98 at 1024 rows; 6-8% slower on a tie at H = 2048 and 4096,
 # bench/results/nvidia-h200/tile-order/). `flatten` is off: measured at one shape only (tile-order/flatten/).
+# dW on them where their column tiles pad H less (grad_gemms._dw_config).
 GRAD_GEMM_TORCH_TALL = dataclasses.replace(GRAD_GEMM_TORCH, tile_m=256, tile_n=128)
 # The JAX twin's launch of the same GEMMs on Pallas Mosaic GPU, its default for 16-bit operands on the GPU
 # (NUMERICS as GRAD_GEMM): two compute warpgroups on half a tile's rows each, TMA loads, persistent programs,

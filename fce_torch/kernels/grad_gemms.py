@@ -176,10 +176,21 @@ def dx_gemm(dz, w, out, precision="ieee", cfg=None):
     return out if slices == 1 else out.copy_(pairwise_sum(planes.permute(1, 2, 0)))
 
 
+def _dw_config(hidden):
+    """dW's launch: GRAD_GEMM_TORCH's 128x256 tiles, or 256x128 (GRAD_GEMM_TORCH_TALL) where their column
+    tiles pad H less (H = 640: 3 column tiles of 256, the last half empty, against 5 of 128; the (hi, lo)
+    accumulation of 512 rows 0.94 -> 0.88 ms, at H = 896 0.79 -> 0.76, bench/results/nvidia-h200/
+    two-programs-per-sm/). Speed only: the tiles do not touch the bits."""
+    if not fm.ASM:
+        return GRAD_GEMM_INTERPRETER_TORCH
+    pad = [-(-hidden // c.tile_n) * c.tile_n - hidden for c in (GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL)]
+    return GRAD_GEMM_TORCH_TALL if pad[1] < pad[0] else GRAD_GEMM_TORCH
+
+
 def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None):
     """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`."""
     _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0], mode, first=first, precision=precision,
-         cfg=cfg)
+         cfg=cfg or _dw_config(x.shape[1]))
 
 
 def dw_gemm(dz, x, dtype, precision="ieee", cfg=None):
