@@ -36,6 +36,14 @@ def _rows_back(t, order, n_rows):
     return t.new_zeros((n_rows, *t.shape[1:])).index_copy_(0, order[:t.shape[0]], t)
 
 
+def _outputs(pieces, order, n_rows):
+    """The chunks' per-row head outputs, concatenated, in the caller's row order. `_rows_back` then writes new
+    arrays, so a single chunk's outputs reach it uncopied (torch.cat of one array would copy it)."""
+    if order is not None and len(pieces) == 1:
+        return {k: _rows_back(v, order, n_rows) for k, v in pieces[0].items()}
+    return {k: _rows_back(torch.cat([p[k] for p in pieces]), order, n_rows) for k in pieces[0]}
+
+
 def _dz_buffer(z, dtype):
     """dZ in the logits' own memory: a 16-bit row takes the first half of its float32 row."""
     return z if dtype == F32 else z.view(dtype)[:, : z.shape[1]]
@@ -150,7 +158,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         pieces = [run(acc.rows(g0 + r0, g0 + r1), {k: v[g0 + r0:g0 + r1] for k, v in inputs.items()},
                       None if keep else (acc, g0 + r0, g0 + r1), None if dz_rows is None else dz_rows[r0:r1])
                   for r0, r1 in chunks]
-        out = {k: _rows_back(torch.cat([p[k] for p in pieces]), order, n_rows) for k in pieces[0]}
+        out = _outputs(pieces, order, n_rows)
         if finish is not None:
             out.update(finish(out, {k: v[g0:g1] for k, v in caller_inputs.items()}))
         if keep:
