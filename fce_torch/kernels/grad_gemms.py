@@ -14,7 +14,7 @@ from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_G
 from fce_core.plan import dx_slices, gemm_items, rows_fast, waves
 
 from . import fastmath as fm
-from .tma import ELEMENT_TYPES, descriptors, processors, programs, stages
+from .tma import ELEMENT_TYPES, column_halves, descriptors, processors, programs, stages
 from ..sums import pairwise_sum
 
 F32 = torch.float32
@@ -119,7 +119,7 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N
                             mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
             acc += fm.dot(a, b, PRECISION, ASM)
         plane = pid // n_out
-        left, right = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
+        left, right = column_halves(acc)
         _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC, PLANES, ASM)
         _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC,
                   PLANES, ASM)
@@ -129,15 +129,20 @@ def _config():
     return GRAD_GEMM_TORCH if fm.ASM else GRAD_GEMM_INTERPRETER_TORCH
 
 
-def _dx_config(n, hidden, slices, device):
-    """dX's launch: GRAD_GEMM_TORCH's 128x256 tiles, or 256x128 (GRAD_GEMM_TORCH_TALL) where those take fewer
-    rounds of the multiprocessors (H = 640: 3 column tiles of 256 make 144 items at 1024 rows, two rounds of
-    132 programs, the second nearly empty; 256x128 makes 120). The slices are the same (NUMERICS fields)."""
+def _tall_where(cost):
+    """GRAD_GEMM_TORCH (128x256 tiles), or GRAD_GEMM_TORCH_TALL (256x128) where `cost(config)` is lower; the
+    interpreter's tiles off the GPU."""
     if not fm.ASM:
         return GRAD_GEMM_INTERPRETER_TORCH
+    return GRAD_GEMM_TORCH_TALL if cost(GRAD_GEMM_TORCH_TALL) < cost(GRAD_GEMM_TORCH) else GRAD_GEMM_TORCH
+
+
+def _dx_config(n, hidden, slices, device):
+    """dX's launch: the tiles that take fewer rounds of the multiprocessors (H = 640: 3 column tiles of 256
+    make 144 items at 1024 rows, two rounds of 132 programs, the second nearly empty; 256x128 makes 120). The
+    slices are the same (NUMERICS fields)."""
     sms = processors(device)
-    rounds = [waves(n, hidden, slices, c.tile_m, c.tile_n, sms) for c in (GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL)]
-    return GRAD_GEMM_TORCH_TALL if rounds[1] < rounds[0] else GRAD_GEMM_TORCH
+    return _tall_where(lambda c: waves(n, hidden, slices, c.tile_m, c.tile_n, sms))
 
 
 def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
@@ -177,14 +182,10 @@ def dx_gemm(dz, w, out, precision="ieee", cfg=None):
 
 
 def _dw_config(hidden):
-    """dW's launch: GRAD_GEMM_TORCH's 128x256 tiles, or 256x128 (GRAD_GEMM_TORCH_TALL) where their column
-    tiles pad H less (H = 640: 3 column tiles of 256, the last half empty, against 5 of 128; the (hi, lo)
-    accumulation of 512 rows 0.94 -> 0.88 ms, at H = 896 0.79 -> 0.76, bench/results/nvidia-h200/
-    two-programs-per-sm/). Speed only: the tiles do not touch the bits."""
-    if not fm.ASM:
-        return GRAD_GEMM_INTERPRETER_TORCH
-    pad = [-(-hidden // c.tile_n) * c.tile_n - hidden for c in (GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL)]
-    return GRAD_GEMM_TORCH_TALL if pad[1] < pad[0] else GRAD_GEMM_TORCH
+    """dW's launch: the tiles whose columns pad H less (H = 640: 3 column tiles of 256, the last half empty,
+    against 5 of 128; the (hi, lo) accumulation of 512 rows 0.94 -> 0.88 ms, at H = 896 0.79 -> 0.76,
+    bench/results/nvidia-h200/two-programs-per-sm/). Speed only: the tiles do not touch the bits."""
+    return _tall_where(lambda c: -(-hidden // c.tile_n) * c.tile_n - hidden)
 
 
 def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None):

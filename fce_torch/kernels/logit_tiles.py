@@ -17,7 +17,7 @@ from fce_core.config import GEMM, GEMM_INTERPRETER, TILE_ROWS
 from . import fastmath as fm
 from .fastmath import LOG2E
 from .row_stats import logit_transform
-from .tma import ELEMENT_TYPES, descriptors, programs, stages
+from .tma import ELEMENT_TYPES, column_halves, descriptors, programs, stages
 from ..sums import pairwise_sum, row_sum
 
 F32 = torch.float32
@@ -89,7 +89,7 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
         if STORE:
             e16 = fm.to_dtype(e, E_DT, ASM)
             if E_DESC:
-                left, right = e16.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
+                left, right = column_halves(e16)
                 e_ptr.store([r0, t * BN], left)
                 e_ptr.store([r0, t * BN + BN // 2], right)
             else:

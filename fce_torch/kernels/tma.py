@@ -4,11 +4,19 @@ reads zeros, the values of the masked pointer loads it replaces, so both give th
 import functools
 
 import torch
+import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # The element types of arrays that a kernel stores into, passed as constexprs: its arguments may be descriptors.
 ELEMENT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def column_halves(t):
+    """A [BM, BN] tile's left and right [BM, BN // 2] halves: the blocks that the kernels' epilogues store by
+    descriptor (a whole float32 tile's staging would not fit in shared memory next to the pipeline)."""
+    return t.reshape([t.shape[0], 2, t.shape[1] // 2]).permute(0, 2, 1).split()
 
 
 def tma_ready(*arrays):
