@@ -152,4 +152,6 @@ GRAD_GEMM_INTERPRETER_TORCH = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_n=
 GRAD_GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_m=128, tile_n=32, tma=True,
                                                    persistent=True, mosaic=True)
 TILE_ROWS = BlockConfig(block=16)  # rows per program of the tiled dlogits and merge kernels (speed only)
+# fce_torch's host check of the values: one program over every target and class weight (speed only).
+VALUE_FLAGS = BlockConfig(block=4096, num_warps=8)
 BUDGET = BudgetConfig()

@@ -4,6 +4,8 @@ import torch
 
 from fce_core.contract import ArrayDesc, check_arrays, class_weights_error, target_error
 
+from .kernels.value_flags import value_flags
+
 
 def describe(t):
     """The `ArrayDesc` of a tensor (None for anything else)."""
@@ -26,13 +28,10 @@ def check_tensors(x, weight, targets, bias=None, class_weights=None):
 
 
 def check_values(targets, vocab, ignore_index, class_weights=None):
-    """The one host synchronization: targets outside [0, V) other than ignore_index, non-finite class weights.
-    Returns the number of valid targets (not ignore_index), which lets the engine skip the ignored rows."""
-    bad_target = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
-    flags = [bad_target.any().long(), (targets != ignore_index).sum()]
-    if class_weights is not None:
-        flags.append((~torch.isfinite(class_weights)).any().long())
-    flags = torch.stack(flags).tolist()
+    """The one host synchronization: targets outside [0, V) other than ignore_index, non-finite class weights
+    (`kernels.value_flags`, one launch). Returns the number of valid targets (not ignore_index), which lets
+    the engine skip the ignored rows."""
+    flags = value_flags(targets, vocab, ignore_index, class_weights).tolist()
     if flags[0]:
         raise target_error(vocab, ignore_index)
     if len(flags) > 2 and flags[2]:

@@ -37,9 +37,10 @@ def _rows_back(t, order, n_rows):
 
 
 def _outputs(pieces, order, n_rows):
-    """The chunks' per-row head outputs, concatenated, in the caller's row order. `_rows_back` then writes new
-    arrays, so a single chunk's outputs reach it uncopied (torch.cat of one array would copy it)."""
-    if order is not None and len(pieces) == 1:
+    """The chunks' per-row head outputs, concatenated, in the caller's row order. A single chunk's outputs
+    are the head's own new arrays, so they are not copied (torch.cat of one array would copy it: a launch
+    each, which the host pays at one chunk)."""
+    if len(pieces) == 1:
         return {k: _rows_back(v, order, n_rows) for k, v in pieces[0].items()}
     return {k: _rows_back(torch.cat([p[k] for p in pieces]), order, n_rows) for k in pieces[0]}
 

@@ -28,11 +28,13 @@ def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False)
     ignored rows (lse too, whether their chunk ran or was skipped). With `comm` (vocab parallel), w, bias and
     class_weights are this rank's shard."""
     head, inputs, plan = flce_setup(arrays, flce_head, x.shape, x.element_size(), w.shape[0], y, class_weights, opt,
-                                    need_grads=any(grads), normalizer=normalizer, g=g, g_lse=g_lse, comm=comm)
+                                    need_grads=any(grads), normalizer=normalizer, g=g, g_lse=g_lse, comm=comm,
+                                    n_valid=valid_rows)
     rows, dx, dw, db = sweep(x, w, bias, class_weights, head, inputs, plan, grads=grads,
                              transform=opt.transform, ignore_index=opt.ignore_index, valid_rows=valid_rows,
                              comm=comm, trace=trace, engine=opt.engine)
-    rows["lse"] = torch.where(y != opt.ignore_index, rows["lse"], 0.0)
+    if valid_rows != x.shape[0]:  # the host's count says whether any row is ignored (two ops fewer if none)
+        rows["lse"] = torch.where(y != opt.ignore_index, rows["lse"], 0.0)
     return rows, dx, dw, db
 
 

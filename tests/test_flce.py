@@ -511,10 +511,12 @@ def test_empty_input(twin, reduction, lead):
 
 # ============================================================================ 6. NaN and huge logits
 @each_twin
+@pytest.mark.parametrize("engine", ["library", "fused"])
 @pytest.mark.parametrize("where", ["x_nan", "x_inf", "weight_nan"])
-def test_nan_propagates(twin, where):
+def test_nan_propagates(twin, where, engine):
     """NaN / inf in x or weight: the "mean" loss is not finite (NaN for a NaN), and so is the "none" loss of the
-    row concerned (every row for a NaN weight); the other rows stay finite."""
+    row concerned (every row for a NaN weight); the other rows stay finite. Both engines (the fused one merges
+    its tiles' maxima in a kernel, where NaN must win as in a max over the row)."""
     case = Case("nan", (12,), 16, 130, "float32", ignore_frac=0.0, seed=33)
     inp = make_inputs(case)
     x, w = inp["x"].clone(), inp["weight"].clone()
@@ -525,8 +527,8 @@ def test_nan_propagates(twin, where):
     else:
         w[5, 2] = float("nan")
     x, w, t = twin.array(x), twin.array(w), twin.array(inp["targets"])
-    mean = as_float64(twin.call(x, w, t, chunk_rows=8, jit=True))
-    rows = as_float64(twin.call(x, w, t, reduction="none", chunk_rows=8, jit=True))
+    mean = as_float64(twin.call(x, w, t, chunk_rows=8, jit=True, engine=engine))
+    rows = as_float64(twin.call(x, w, t, reduction="none", chunk_rows=8, jit=True, engine=engine))
     assert not np.isfinite(mean), mean
     if where != "x_inf":
         assert np.isnan(mean), mean

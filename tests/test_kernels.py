@@ -697,3 +697,29 @@ def test_pairwise_sum(shape):
         if shape[-1]:
             err = np.abs(as_float64(out) - as_float64(x).sum(-1))
             assert np.all(err <= 1e-6 * np.abs(as_float64(x)).sum(-1) * math.log2(2 * shape[-1]))
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+@pytest.mark.parametrize("n", [0, 1, 37, 4099])
+def test_value_flags(dtype, n):
+    """fce_torch's host check in one launch (one program looping over blocks, here 64 wide): the flags and the
+    count of the torch expression it replaced, on fresh targets in and out of range, ignore_index negative,
+    in range or out, and class weights with one NaN, +inf or -inf anywhere."""
+    from fce_core.config import BlockConfig
+    from fce_torch.kernels.value_flags import value_flags
+    cfg = BlockConfig(block=64)
+    gen = torch.Generator().manual_seed(n)
+    for vocab, ignore in ((50, -100), (50, -1), (60, 7), (10, 7)):
+        y = torch.randint(-3, 55, (n,), generator=gen).to(getattr(torch, dtype))
+        y[::3] = ignore
+        for targets in (y, y.clamp(0, vocab - 1).where(y != ignore, ignore)):
+            kept = targets != ignore
+            want = [int((kept & ((targets < 0) | (targets >= vocab))).any()), int(kept.sum())]
+            assert value_flags(targets, vocab, ignore, cfg=cfg).tolist() == want
+    weights = torch.randn(301, generator=gen)
+    assert value_flags(y, 60, -100, weights, cfg).tolist()[2] == 0
+    for odd in (float("nan"), float("inf"), -float("inf")):
+        for at in (0, 150, 300):
+            w = weights.clone()
+            w[at] = odd
+            assert value_flags(y, 60, -100, w, cfg).tolist()[2] == 1

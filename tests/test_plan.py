@@ -209,6 +209,26 @@ def test_valid_first(n, n_valid):
         assert np.array_equal(pos[order], np.arange(n)) and int(count) == n_valid
 
 
+@pytest.mark.parametrize("n,n_valid", [(1, 0), (13, 5), (13, 13)])
+def test_reduction_scalars_of_the_host_count(n, n_valid):
+    """The scalars [D, n, W_sum] from the host's count (fce_torch's value check has it) are the bits of those
+    counted on the device, in both twins. With class weights the count is not used."""
+    from fce_core.rows import reduction_scalars
+    from fce_jax import arrays as jax_arrays
+    from fce_torch import arrays as torch_arrays
+
+    vocab = 50
+    y = _targets(n, vocab, n_valid, seed=n)
+    for xp, arr in ((torch_arrays, lambda t: t), (jax_arrays, to_jax)):
+        counted, _ = reduction_scalars(xp, arr(y), None, IGNORE_INDEX, vocab)
+        hosted, w_y = reduction_scalars(xp, arr(y), None, IGNORE_INDEX, vocab, n_valid=n_valid)
+        assert w_y is None and np.asarray(hosted).dtype == np.float32
+        assert np.array_equal(np.asarray(hosted).view(np.uint32), np.asarray(counted).view(np.uint32))
+        cw = arr(torch.rand(vocab))
+        assert np.array_equal(np.asarray(reduction_scalars(xp, arr(y), cw, IGNORE_INDEX, vocab, n_valid=-1)[0]),
+                              np.asarray(reduction_scalars(xp, arr(y), cw, IGNORE_INDEX, vocab)[0]))
+
+
 # ============================================================================ which chunks run
 def _marker_fn(stats, inputs):
     """1 on every row of a chunk that ran (skipped chunks leave 0), and the coefficients of a zero dZ."""

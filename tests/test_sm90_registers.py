@@ -1,7 +1,8 @@
 """fce_torch's GEMM kernels compiled for the H200 (sm_90a) on this CPU, with the ptxas that the triton wheel
 ships: their epilogues must not spill registers (a pointer tensor of a whole output tile beside the
-accumulator spilled kilobytes per thread, bench/results/nvidia-h200/epilogue-registers/). Compiled in a
-subprocess: this process runs the kernels in the Triton interpreter."""
+accumulator spilled kilobytes per thread, bench/results/nvidia-h200/epilogue-registers/), and the tile merge
+must compile where its launch specializes. Compiled in a subprocess: this process runs the kernels in the
+Triton interpreter."""
 import json
 import os
 import re
@@ -15,10 +16,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def _spilled(kernel, signature, constants, warps=8, stages=3):
+def _spilled(kernel, signature, constants, warps=8, stages=3, aligned=()):
     for name in constants:
         signature[name] = "constexpr"
-    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+    attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     ptx = compiled.asm["ptx"]
@@ -68,6 +70,22 @@ def _logits(store):
                   STORE=store, PRECISION="ieee", BM=128, BN=256, BK=64, LOG2_BN=8, EVEN_K=True, TMA=True,
                   E_DESC=store, E_DT=tl.bfloat16, FLATTEN=False, ASM=True)
     return _spilled(logit_tiles._logit_tiles_kernel, sig, consts)
+
+
+@pytest.mark.parametrize("zy_tiles, q, pz", [(True, False, False), (False, True, True)])
+def test_merge_tiles_compiles(zy_tiles, q, pz):
+    """The tile merge with T = V / 256 a multiple of 16 (V = 262144), which the launch specializes on: a
+    reduction accumulated in its loop failed Triton 3.6's thread-locality pass there (on the H200)."""
+    assert _in_compiler("merge", zy_tiles, q, pz) == 0
+
+
+def _merge(zy_tiles, q, pz):
+    from fce_torch.kernels import logit_tiles
+    sig = {name: "*fp32" for name in ("m_ptr", "s_ptr", "q_ptr", "pz_ptr", "amax_ptr", "zyt_ptr", "wt_ptr", "big_ptr",
+                                      "zy_ptr", "arg_ptr", "us_ptr", "uq_ptr", "upz_ptr")}
+    sig.update(amax_ptr="*i32", arg_ptr="*i32", n_rows="i32", n_tiles="i32", V="i32")
+    consts = dict(ZY_TILES=zy_tiles, HAS_Q=q, HAS_PZ=pz, HAS_CW=False, TILE_N=256, BR=16, BT=128, ASM=True)
+    return _spilled(logit_tiles._merge_tiles_kernel, sig, consts, warps=4, aligned=list(sig)[:16])
 
 
 def _in_compiler(kind, *args):

@@ -2,9 +2,12 @@
 the wall time of a call against its kernels' sum (the host's share: launches, checks).
 
 With --host, the Python functions of the host path instead (cProfile over 50 fwd+bwd of each engine,
-by own time): where the launches' host time goes when the host, not the GPU, sets the pace.
+by own time): where the launches' host time goes when the host, not the GPU, sets the pace. With --trace DIR,
+the fused engine's timeline with and without the host check of the values (`validate`): the wall time of 50
+back-to-back fwd+bwd, and a chrome trace of 5 (DIR/trace_NxHxV_validate_{True,False}.json) whose GPU gaps show
+where the device waits on the host.
 
-Usage (GPU): python tools/profile_torch.py [--host] N,H,V [N,H,V ...]. A development tool.
+Usage (GPU): python tools/profile_torch.py [--host | --trace DIR] N,H,V [N,H,V ...]. A development tool.
 """
 import sys
 import time
@@ -17,9 +20,9 @@ import fce_torch
 REPS = 3
 
 
-def _step(x, w, y, engine):
+def _step(x, w, y, engine, validate=True):
     x.grad = w.grad = None
-    fce_torch.fused_lce(x, w, y, engine=engine).backward()
+    fce_torch.fused_lce(x, w, y, engine=engine, validate=validate).backward()
 
 
 def launch_costs(reps=2000):
@@ -58,14 +61,41 @@ def host_profile(x, w, y, engine, calls=50):
     pstats.Stats(prof).sort_stats("tottime").print_stats(35)
 
 
+def timeline(x, w, y, out_dir, calls=50):
+    import os
+
+    os.makedirs(out_dir, exist_ok=True)
+    for validate in (True, False):
+        for _ in range(3):
+            _step(x, w, y, "fused", validate)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            _step(x, w, y, "fused", validate)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / calls * 1e3
+        print(f"== {tuple(x.shape)} fused validate={validate}: {wall:.3f} ms per fwd+bwd, {calls} back to back")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                _step(x, w, y, "fused", validate)
+            torch.cuda.synchronize()
+        n, h = x.shape
+        prof.export_chrome_trace(os.path.join(out_dir, f"trace_{n}x{h}x{w.shape[0]}_validate_{validate}.json"))
+
+
 def main():
-    host = "--host" in sys.argv
-    specs = [a for a in sys.argv[1:] if a != "--host"]
+    args = sys.argv[1:]
+    host = "--host" in args
+    trace = args[args.index("--trace") + 1] if "--trace" in args else None
+    specs = [a for a in args if "," in a]
     for spec in specs or ["4096,4096,128256"]:
         n, h, v = (int(s) for s in spec.split(","))
         x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(v, h, device="cuda") / h ** 0.5).to(torch.bfloat16).requires_grad_()
         y = torch.randint(0, v, (n,), device="cuda")
+        if trace:
+            timeline(x, w, y, trace)
+            continue
         for engine in ("library", "fused"):
             if host:
                 host_profile(x, w, y, engine)
@@ -88,7 +118,7 @@ def main():
             print(f"\n== {n},{h},{v} engine={engine}: wall {wall:.3f} ms per fwd+bwd, kernels "
                   f"{kernels / REPS / 1e3:.3f} ms")
             print(events.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-    if not host:
+    if not host and not trace:
         launch_costs()
 
 

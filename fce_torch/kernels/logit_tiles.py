@@ -98,31 +98,63 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
 
 
 @triton.jit
-def _merge_tiles_kernel(m_ptr, s_ptr, q_ptr, pz_ptr, wt_ptr, big_ptr, zy_ptr, us_ptr, uq_ptr, upz_ptr,
-                        n_rows, n_tiles, V, HAS_Q: tl.constexpr, HAS_PZ: tl.constexpr, HAS_CW: tl.constexpr,
-                        TILE_N: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, ASM: tl.constexpr):
+def _max_nan(a, b):
+    """The max that torch.amax takes: NaN wins (tl.maximum's default returns the other operand)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _merge_tiles_kernel(m_ptr, s_ptr, q_ptr, pz_ptr, amax_ptr, zyt_ptr, wt_ptr, big_ptr, zy_ptr, arg_ptr, us_ptr,
+                        uq_ptr, upz_ptr, n_rows, n_tiles, V, ZY_TILES: tl.constexpr, HAS_Q: tl.constexpr,
+                        HAS_PZ: tl.constexpr, HAS_CW: tl.constexpr, TILE_N: tl.constexpr, BR: tl.constexpr,
+                        BT: tl.constexpr, ASM: tl.constexpr):
+    # A program takes BR rows through all their tiles twice: their max (and z_y's, ZY_TILES), then the units
+    # and the first tile holding the max. One launch instead of eight torch ops around a per-tile kernel.
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    tiles = tl.program_id(1) * BT + tl.arange(0, BT)
     row_ok = rows < n_rows
-    ok = row_ok[:, None] & (tiles < n_tiles)[None, :]
-    at = rows.to(tl.int64)[:, None] * n_tiles + tiles[None, :]
-    big = tl.load(big_ptr + rows, mask=row_ok, other=0.0)
-    m_t = tl.load(m_ptr + at, mask=ok, other=0.0)
-    s_t = tl.load(s_ptr + at, mask=ok, other=0.0)
-    shift = m_t - big[:, None]
-    f = fm.ex2(shift * LOG2E, ASM)
-    tl.store(us_ptr + at, fm.mul(s_t, f, ASM), mask=ok)
-    if HAS_PZ:
-        pz_t = tl.load(pz_ptr + at, mask=ok, other=0.0)
-        tl.store(upz_ptr + at, fm.mul(fm.fma(shift, s_t, pz_t, ASM), f, ASM), mask=ok)
-    if HAS_Q:
+    base = rows.to(tl.int64)[:, None] * n_tiles
+    # The maxima and the first tile are taken lane-wise over the blocks, then reduced once: a reduction
+    # accumulated in the loop failed Triton 3.6's thread-locality pass on sm_90 (T a multiple of 16).
+    big_l = tl.full([BR, BT], float("-inf"), tl.float32)
+    zy_l = tl.full([BR, BT], float("-inf"), tl.float32)
+    for t0 in range(0, n_tiles, BT):
+        tiles = t0 + tl.arange(0, BT)
+        ok = row_ok[:, None] & (tiles < n_tiles)[None, :]
+        big_l = _max_nan(big_l, tl.load(m_ptr + base + tiles[None, :], mask=ok, other=float("-inf")))
+        if ZY_TILES:
+            zy_l = _max_nan(zy_l, tl.load(zyt_ptr + base + tiles[None, :], mask=ok, other=float("-inf")))
+    big = tl.reduce(big_l, 1, _max_nan)
+    if ZY_TILES:
+        zy = tl.reduce(zy_l, 1, _max_nan)
+        tl.store(zy_ptr + rows, zy, mask=row_ok)
+    else:
         zy = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
-        if HAS_CW:
-            w_t = tl.load(wt_ptr + tiles, mask=tiles < n_tiles, other=0.0)
-        else:  # the tile's column count
-            w_t = tl.minimum(V - tiles * TILE_N, TILE_N).to(tl.float32)
-        tl.store(uq_ptr + at, fm.fma(m_t - zy[:, None], w_t[None, :], tl.load(q_ptr + at, mask=ok, other=0.0), ASM),
-                 mask=ok)
+    first_l = tl.full([BR, BT], n_tiles, tl.int32)
+    for t0 in range(0, n_tiles, BT):
+        tiles = t0 + tl.arange(0, BT)
+        ok = row_ok[:, None] & (tiles < n_tiles)[None, :]
+        at = base + tiles[None, :]
+        m_t = tl.load(m_ptr + at, mask=ok, other=0.0)
+        s_t = tl.load(s_ptr + at, mask=ok, other=0.0)
+        first_l = tl.minimum(first_l, tl.where(ok & (m_t == big[:, None]), tiles[None, :], n_tiles))
+        shift = m_t - big[:, None]
+        f = fm.ex2(shift * LOG2E, ASM)
+        tl.store(us_ptr + at, fm.mul(s_t, f, ASM), mask=ok)
+        if HAS_PZ:
+            pz_t = tl.load(pz_ptr + at, mask=ok, other=0.0)
+            tl.store(upz_ptr + at, fm.mul(fm.fma(shift, s_t, pz_t, ASM), f, ASM), mask=ok)
+        if HAS_Q:
+            if HAS_CW:
+                w_t = tl.load(wt_ptr + tiles, mask=tiles < n_tiles, other=0.0)
+            else:  # the tile's column count
+                w_t = tl.minimum(V - tiles * TILE_N, TILE_N).to(tl.float32)
+            tl.store(uq_ptr + at, fm.fma(m_t - zy[:, None], w_t[None, :], tl.load(q_ptr + at, mask=ok, other=0.0),
+                                         ASM), mask=ok)
+    first = tl.min(first_l, axis=1)
+    first = tl.where(first < n_tiles, first, 0)  # no tile equals a NaN max: the first, as argmax of none
+    tl.store(big_ptr + rows, big, mask=row_ok)
+    tl.store(arg_ptr + rows, tl.load(amax_ptr + rows.to(tl.int64) * n_tiles + first, mask=row_ok, other=0),
+             mask=row_ok)
 
 
 def gemm_config(cfg=None):
@@ -172,17 +204,15 @@ def merge_tiles(parts, vocab, tile_weights=None, cfg=None, zy=None):
     tile_n = gemm_config(cfg).tile_n
     m_t = parts["m"]
     n, n_tiles = m_t.shape
-    big = m_t.amax(dim=1)
-    first = (m_t == big[:, None]).to(torch.int8).argmax(dim=1, keepdim=True)
-    stats = {"m": big, "zy": parts["zy"].amax(dim=1) if zy is None else zy,
-             "amax": parts["amax"].gather(1, first)[:, 0]}
+    stats = {"m": m_t.new_empty(n), "zy": m_t.new_empty(n) if zy is None else zy,
+             "amax": parts["amax"].new_empty(n)}
     units = {k: torch.empty_like(m_t) for k in ("s", "q", "pz") if k in parts}
     if n:
-        _merge_tiles_kernel[(triton.cdiv(n, TILE_ROWS.block), triton.cdiv(n_tiles, 128))](
-            m_t, parts["s"], parts.get("q", m_t), parts.get("pz", m_t),
-            tile_weights if tile_weights is not None else m_t, big, stats["zy"], units["s"], units.get("q", m_t),
-            units.get("pz", m_t), n, n_tiles, vocab, HAS_Q="q" in parts, HAS_PZ="pz" in parts,
-            HAS_CW=tile_weights is not None, TILE_N=tile_n, BR=TILE_ROWS.block, BT=128, ASM=fm.ASM,
-            num_warps=TILE_ROWS.num_warps)
+        _merge_tiles_kernel[(triton.cdiv(n, TILE_ROWS.block),)](
+            m_t, parts["s"], parts.get("q", m_t), parts.get("pz", m_t), parts["amax"], parts["zy"],
+            tile_weights if tile_weights is not None else m_t, stats["m"], stats["zy"], stats["amax"], units["s"],
+            units.get("q", m_t), units.get("pz", m_t), n, n_tiles, vocab, ZY_TILES=zy is None, HAS_Q="q" in parts,
+            HAS_PZ="pz" in parts, HAS_CW=tile_weights is not None, TILE_N=tile_n, BR=TILE_ROWS.block,
+            BT=128 if fm.ASM else 8, ASM=fm.ASM, num_warps=TILE_ROWS.num_warps)  # the CPU tests loop over blocks
     stats.update({k: pairwise_sum(v) for k, v in units.items()})
     return stats
