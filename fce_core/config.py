@@ -100,7 +100,7 @@ class GradGemmConfig:
     num_stages: int = 3
     tma: bool = False
     persistent: bool = False
-    flatten: bool = False  # as GemmConfig's (fce_torch)
+    flatten: bool = False  # as GemmConfig's (fce_torch), where K is not sliced and C is not added to
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
 
 
@@ -123,18 +123,21 @@ PAIRS = PairConfig()
 PAIRWISE = PairwiseConfig()
 # In place, g = 1 skips the pass: a few programs then cost a launch, not one per block of dW.
 GRAD_SCALE = BlockConfig(block=4096, num_warps=8, max_programs=1024)
+# Not flattened: with its statistics epilogue the flattened loop spills 952 bytes per thread (sm_90a).
 GEMM = GemmConfig()
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
 GRAD_GEMM = GradGemmConfig()
 # fce_torch's launch of the same GEMMs (NUMERICS as GRAD_GEMM): TMA loads and wider persistent tiles, faster in
 # Triton (tools/fused_kernels.py); the JAX twin's fused engine was slower on 128x256 tiles at N >= 16384 and at
-# H = 640 (bench/results/nvidia-h200/engine-tma/op-both-twins-128x256/), so it keeps GRAD_GEMM's.
-GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persistent=True)
+# H = 640 (bench/results/nvidia-h200/engine-tma/op-both-twins-128x256/), so it keeps GRAD_GEMM's. Flattened
+# where K is not sliced: dW of 256 rows 0.71 -> 0.54 ms, of 1024 rows 1.81 -> 1.46, the (hi, lo) update 2-7%
+# faster (bench/results/nvidia-h200/grad-flatten/).
+GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persistent=True, flatten=True)
 # fce_torch's dX on 256x128 tiles where they take fewer rounds of the multiprocessors than 128x256 (H = 640:
 # 0.57 ms against 0.98 at 1024 rows; 6-8% slower on a tie at H = 2048 and 4096,
-# bench/results/nvidia-h200/tile-order/). `flatten` is off: measured at one shape only (tile-order/flatten/).
-# dW on them where their column tiles pad H less (grad_gemms._dw_config).
+# bench/results/nvidia-h200/tile-order/). dW on them where their column tiles pad H less
+# (grad_gemms._dw_config).
 GRAD_GEMM_TORCH_TALL = dataclasses.replace(GRAD_GEMM_TORCH, tile_m=256, tile_n=128)
 # The JAX twin's launch of the same GEMMs on Pallas Mosaic GPU, its default for 16-bit operands on the GPU
 # (NUMERICS as GRAD_GEMM): two compute warpgroups on half a tile's rows each, TMA loads, persistent programs,

@@ -77,7 +77,8 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N
                  MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
                  C_DESC: tl.constexpr, C_DT: tl.constexpr, LO_DT: tl.constexpr, PLANES: tl.constexpr,
-                 ROWS_FAST: tl.constexpr, FLATTEN: tl.constexpr, ASM: tl.constexpr):
+                 ROWS_FAST: tl.constexpr, FLATTEN: tl.constexpr, SLICED: tl.constexpr,
+                 ASM: tl.constexpr):
     # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]; c_ptr / lo_ptr
     # when C_DESC (of C [n_slices, M, N] when PLANES). A program computes the (tile, slice) items pid, pid + P,
     # ... (P programs: one per item, or persistent); an item is its slice's K range [k_lo, k_hi) into the
@@ -90,8 +91,11 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N
     n_out = n_m * n_n
     for pid in tl.range(tl.program_id(0), n_out * n_slices, tl.num_programs(0), flatten=FLATTEN):
         tile = pid % n_out
-        k_lo = (pid // n_out) * SLICE_K
-        k_hi = tl.minimum(K, k_lo + SLICE_K)
+        k_lo = 0
+        k_hi = K
+        if SLICED:  # bounds that vary by item keep Triton from pipelining the two loops as one (FLATTEN)
+            k_lo = (pid // n_out) * SLICE_K
+            k_hi = tl.minimum(K, k_lo + SLICE_K)
         if ROWS_FAST:
             r0 = (tile % n_m) * BM
             c0 = (tile // n_m) * BN
@@ -159,13 +163,16 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     half = (1,) * (c.dim() - 2) + (cfg.tile_m, cfg.tile_n // 2)  # the epilogue's column halves of a tile
     outs, c_desc = descriptors([(o, half) for o in outs], cfg)
     a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
+    # ADD is not flattened: its float32 C tile, staged in shared memory, would not fit next to the pipeline
+    # (sm_90a: 279 KB of 227 for 16-bit operands)
+    flatten = cfg.persistent and cfg.flatten and mode != ADD
     _gemm_kernel[(programs(gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg, a.device),)](
         aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], n, m, n, k, slice_k, slices, MODE=mode,
         FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
         TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
         LO_DT=ELEMENT_TYPES[(c if lo is None else lo).dtype],
         PLANES=c.dim() == 3, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
-        FLATTEN=cfg.persistent and cfg.flatten, ASM=fm.ASM, num_warps=cfg.num_warps,
+        FLATTEN=flatten, SLICED=slices > 1, ASM=fm.ASM, num_warps=cfg.num_warps,
         num_stages=stages(cfg, a.element_size()))
 
 
