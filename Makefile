@@ -19,9 +19,12 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 parity: $(STAMP)
 	$(VENV)/bin/python -m parity $(ARGS)
 
-# The tests (CPU: kernels in the Triton interpreter and Pallas interpret mode).
+# The tests (CPU: kernels in the Triton interpreter and Pallas interpret mode), in TEST_WORKERS processes
+# (pytest-xdist), each test file in one of them: its module fixtures (the peers' driver, the bench smoke runs,
+# the distributed jobs) start once. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 bench-smoke: $(STAMP)
 	$(VENV)/bin/python -m bench op --smoke
