@@ -7,7 +7,7 @@ from fce_core.contract import check_engine, check_normalizer, check_options
 from fce_core.docs import doc
 
 from .checks import check_tensors
-from .flce import flce_op, flce_rows_op
+from .flce import flce, flce_rows
 from .sums import pairwise_sum
 from .vocab_parallel import resolve
 
@@ -58,9 +58,9 @@ def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction=
             None if softcap is None else float(softcap), bool(token_scaling), chunk_rows, engine, bool(validate),
             vp_group, vp_offsets)
     if requires_grad(x2, w, b) and (reduction == "none" or lse_grad):
-        return flce_rows_op(*args, bool(lse_grad))
+        return flce_rows(*args, bool(lse_grad))
     needs = [requires_grad(x2), requires_grad(w), b is not None and requires_grad(b)]
-    return flce_op(*args, needs)[:5]
+    return flce(*args, needs)[:5]
 
 
 @doc(docs.FLCE_SUMMARY, docs.FLCE_ARGS,

@@ -10,6 +10,13 @@ Two shapes of autograd, as in fce_jax/autodiff.py:
 - *recompute* (`register_recompute`): the forward computes the outputs only; the backward calls a gradient op
   that sweeps again with the cotangents of the outputs, row by row.
 
+Each returns the callable the API uses: the op where it is traced, and in eager calls the op's own body with
+the same autograd formula as a `torch.autograd.Function`. Through the dispatcher an eager call of a custom op
+with autograd goes C++ -> Python -> C++ and rebuilds the schema's argument list once per argument
+(`torch._library.utils.fill_defaults`, quadratic in the 18 arguments of `fce::flce`); at N = 256, where the
+host sets the pace, skipping it took 50 fwd+bwd from 2.57-3.17 to 2.19-2.62 ms a step on the H200
+(bench/results/nvidia-h200/host-dispatch/). The bits are the same: the same body runs.
+
 Op bodies turn autocast off (the caller has already cast the operands: eager and compiled calls then run the
 same kernels), and only op bodies synchronize with the host (the optional target check).
 """
@@ -57,9 +64,27 @@ def _present(t, shape):
     return t is not None and shape is not None and tuple(t.shape) == tuple(shape)
 
 
-def register_precomputed(op, n_outputs):
-    """Autograd of `op` whose inputs start with (x, w, bias) and whose outputs are (loss, n_outputs - 1
-    outputs without gradient, dx, dw, db): the gradients of the scalar loss, computed in the forward."""
+def _routed(op, body, setup_context, backward):
+    """`op` when its first input is traced (torch.compile, fake tensors), else `body` as an autograd.Function
+    with `op`'s autograd formula."""
+    def forward(ctx, *args):  # setup_context inside: as a separate method, apply binds the args by signature
+        output = body(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    function = type(f"Eager{body.__name__}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def call(*args):
+        return op(*args) if traced(args[0]) else function.apply(*args)
+
+    return call
+
+
+def register_precomputed(op, body, n_outputs):
+    """Autograd of `op` (the custom op of `body`) whose inputs start with (x, w, bias) and whose outputs are
+    (loss, n_outputs - 1 outputs without gradient, dx, dw, db): the gradients of the scalar loss, computed in
+    the forward. Returns the op's caller (see the module's docstring)."""
 
     def setup_context(ctx, inputs, output):
         x, w, bias = inputs[:3]
@@ -78,13 +103,15 @@ def register_precomputed(op, n_outputs):
         return (*grads, *([None] * (ctx.n_inputs - 3)))
 
     op.register_autograd(backward, setup_context=setup_context)
+    return _routed(op, body, setup_context, backward)
 
 
-def register_recompute(op, differentiable, grads):
-    """Autograd of `op` whose inputs start with (x, w, bias): `differentiable(*inputs)` gives the indices of
-    the outputs that carry a gradient (the others are marked non-differentiable), and the backward returns
-    `grads(inputs, cotangents, needs)` for (x, w, bias): `cotangents` maps those indices to the outputs'
-    cotangents (None when unused), `needs` says which of the three autograd asks for."""
+def register_recompute(op, body, differentiable, grads):
+    """Autograd of `op` (the custom op of `body`) whose inputs start with (x, w, bias): `differentiable(*inputs)`
+    gives the indices of the outputs that carry a gradient (the others are marked non-differentiable), and the
+    backward returns `grads(inputs, cotangents, needs)` for (x, w, bias): `cotangents` maps those indices to the
+    outputs' cotangents (None when unused), `needs` says which of the three autograd asks for. Returns the op's
+    caller (see the module's docstring)."""
 
     def setup_context(ctx, inputs, output):
         ctx.keep = differentiable(*inputs)
@@ -102,6 +129,7 @@ def register_recompute(op, differentiable, grads):
         return (*(t if need else None for t, need in zip((dx, dw, db), needs)), *([None] * (len(inputs) - 3)))
 
     op.register_autograd(backward, setup_context=setup_context)
+    return _routed(op, body, setup_context, backward)
 
 
 def finish_grads(dx, dw, db, x, w, bias, needs):

@@ -85,16 +85,18 @@ def _cpo(x, w, bias, y, opt, validate, comm, needs):
             *(absent(x) if t is None else t for t in (dx, kept_weight_grad(dw, w.dtype), db)))
 
 
-@torch.library.custom_op("fce::cpo", mutates_args=())
-def cpo_op(x: Tensor, w: Tensor, bias: Optional[Tensor], y: Tensor, seq_len: int, ignore_index: int, beta: float,
-           alpha: float, label_smoothing: float, loss_type: str, simpo_gamma: float, average_log_prob: bool,
-           chunk_rows: Optional[int], engine: str, validate: bool, vp_group: Optional[str], vp_offsets: list[int],
-           needs: list[bool]) -> CpoOutputs:
+def _cpo_body(x: Tensor, w: Tensor, bias: Optional[Tensor], y: Tensor, seq_len: int, ignore_index: int, beta: float,
+              alpha: float, label_smoothing: float, loss_type: str, simpo_gamma: float, average_log_prob: bool,
+              chunk_rows: Optional[int], engine: str, validate: bool, vp_group: Optional[str], vp_offsets: list[int],
+              needs: list[bool]) -> CpoOutputs:
     opt = CpoOptions(seq_len=seq_len, ignore_index=ignore_index, beta=beta, alpha=alpha,
                      label_smoothing=label_smoothing, loss_type=loss_type, simpo_gamma=simpo_gamma,
                      average_log_prob=average_log_prob, chunk_rows=chunk_rows, engine=engine)
     with torch.autocast(x.device.type, enabled=False):
         return _cpo(x, w, bias, y, opt, validate, comm_for(vp_group, vp_offsets, w, validate), needs)
+
+
+cpo_op = torch.library.custom_op("fce::cpo", _cpo_body, mutates_args=())
 
 
 @cpo_op.register_fake
@@ -111,7 +113,7 @@ def _(x, w, bias, y, seq_len, ignore_index, beta, alpha, label_smoothing, loss_t
             x.new_empty(w.shape[:1], dtype=F32) if needs[2] else absent(x))
 
 
-register_precomputed(cpo_op, 6)
+cpo = register_precomputed(cpo_op, _cpo_body, 6)
 
 
 @doc(docs.CPO_SUMMARY, docs.CPO_ARGS, framework_args="""\
@@ -133,7 +135,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         average_log_prob = loss_type in ("ipo", "simpo")
     x2, w, y, b, _ = prepare(x, weight, targets, bias)
     needs = [requires_grad(x2), requires_grad(w), b is not None and requires_grad(b)]
-    loss, logp_c, logp_r, reward_c, reward_r, nll = cpo_op(
+    loss, logp_c, logp_r, reward_c, reward_r, nll = cpo(
         x2, w, b, y, x.shape[1], int(ignore_index), float(beta), float(alpha), float(label_smoothing), loss_type,
         float(simpo_gamma), bool(average_log_prob), chunk_rows, engine, bool(validate), vp_group, vp_offsets,
         needs)[:6]

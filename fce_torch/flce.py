@@ -53,12 +53,11 @@ def _row_outputs(x, reduction):
             x.new_empty((n,), dtype=torch.int32))
 
 
-@torch.library.custom_op("fce::flce", mutates_args=())
-def flce_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
-            class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
-            reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float], token_scaling: bool,
-            chunk_rows: Optional[int], engine: str, validate: bool, vp_group: Optional[str], vp_offsets: list[int],
-            needs: list[bool]) -> RowsAndGrads:
+def _flce_body(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
+               class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
+               reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float], token_scaling: bool,
+               chunk_rows: Optional[int], engine: str, validate: bool, vp_group: Optional[str], vp_offsets: list[int],
+               needs: list[bool]) -> RowsAndGrads:
     """(loss, z stat, lse, correct, amax, dx, dw, db): a "mean"/"sum" loss with its gradients (`needs`)
     computed in the forward, or any loss without gradients. `vp_group`/`vp_offsets`: the process group's name
     and the shards' column boundaries of a vocab-parallel call (None / [] otherwise)."""
@@ -66,6 +65,9 @@ def flce_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
                  _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows,
                           engine),
                  validate, comm_for(vp_group, vp_offsets, w, validate), needs)
+
+
+flce_op = torch.library.custom_op("fce::flce", _flce_body, mutates_args=())
 
 
 def _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm, needs):
@@ -91,20 +93,22 @@ def _(x, w, bias, y, class_weights, normalizer, ignore_index, reduction, label_s
             x.new_empty(w.shape[:1], dtype=F32) if needs[2] else absent(x))
 
 
-register_precomputed(flce_op, 5)
+flce = register_precomputed(flce_op, _flce_body, 5)
 
 
-@torch.library.custom_op("fce::flce_rows", mutates_args=())
-def flce_rows_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
-                 class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
-                 reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
-                 token_scaling: bool, chunk_rows: Optional[int], engine: str, validate: bool, vp_group: Optional[str],
-                 vp_offsets: list[int], lse_grad: bool) -> Rows:
+def _flce_rows_body(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
+                    class_weights: Optional[torch.Tensor], normalizer: Optional[torch.Tensor], ignore_index: int,
+                    reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
+                    token_scaling: bool, chunk_rows: Optional[int], engine: str, validate: bool,
+                    vp_group: Optional[str], vp_offsets: list[int], lse_grad: bool) -> Rows:
     """(loss, z stat, lse, correct, amax) of a loss whose backward recomputes: "none", or any reduction with
     a differentiable lse (`lse_grad`)."""
     opt = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows, engine)
     return _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm_for(vp_group, vp_offsets, w, validate),
                  [False, False, False])[:5]
+
+
+flce_rows_op = torch.library.custom_op("fce::flce_rows", _flce_rows_body, mutates_args=())
 
 
 @flce_rows_op.register_fake
@@ -144,4 +148,5 @@ def _rows_grads(inputs, cotangents, needs):
     return flce_rows_grads_op(*inputs[:-1], cotangents[0], cotangents.get(2), needs)
 
 
-register_recompute(flce_rows_op, lambda *inputs: (0, 2) if inputs[-1] else (0,), _rows_grads)
+flce_rows = register_recompute(flce_rows_op, _flce_rows_body, lambda *inputs: (0, 2) if inputs[-1] else (0,),
+                               _rows_grads)

@@ -41,16 +41,19 @@ def _options(ignore_index, softcap, temperature, chunk_rows, engine):
                           engine=engine)
 
 
-@torch.library.custom_op("fce::token_logprobs", mutates_args=())
-def logprobs_op(x: Tensor, w: Tensor, bias: Optional[Tensor], y: Tensor, ignore_index: int,
-                softcap: Optional[float], temperature: float, chunk_rows: Optional[int], engine: str,
-                validate: bool, vp_group: Optional[str], vp_offsets: list[int], entropy: bool) -> tuple[Tensor, Tensor]:
+def _logprobs_body(x: Tensor, w: Tensor, bias: Optional[Tensor], y: Tensor, ignore_index: int,
+                   softcap: Optional[float], temperature: float, chunk_rows: Optional[int], engine: str,
+                   validate: bool, vp_group: Optional[str], vp_offsets: list[int],
+                   entropy: bool) -> tuple[Tensor, Tensor]:
     """(logp, entropy or an empty stand-in) of every row."""
     opt = _options(ignore_index, softcap, temperature, chunk_rows, engine)
     with torch.autocast(x.device.type, enabled=False):
         rows, *_ = logprobs_sweep(x, w, y, bias, opt, entropy=entropy, validate=validate,
                                   comm=comm_for(vp_group, vp_offsets, w, validate))
     return rows["logp"], rows["entropy"] if entropy else absent(x)
+
+
+logprobs_op = torch.library.custom_op("fce::token_logprobs", _logprobs_body, mutates_args=())
 
 
 @logprobs_op.register_fake
@@ -81,8 +84,8 @@ def _(x, w, bias, *rest):
     return grads_fake(x, w, bias, rest[-1])
 
 
-register_recompute(logprobs_op, lambda *inputs: (0, 1) if inputs[-1] else (0,),
-                   lambda inputs, cot, needs: logprobs_grads_op(*inputs, cot[0], cot.get(1), needs))
+logprobs = register_recompute(logprobs_op, _logprobs_body, lambda *inputs: (0, 1) if inputs[-1] else (0,),
+                              lambda inputs, cot, needs: logprobs_grads_op(*inputs, cot[0], cot.get(1), needs))
 
 
 @doc(docs.LOGPROBS_SUMMARY, docs.LOGPROBS_ARGS, framework_args="""\
@@ -106,7 +109,7 @@ def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, so
     x2, w, y, b, _ = prepare(x, weight, targets, bias)
     args = (x2, w, b, y, int(ignore_index), None if softcap is None else float(softcap), float(temperature),
             chunk_rows, engine, bool(validate), vp_group, vp_offsets, bool(return_entropy))
-    logp, entropy = logprobs_op(*args)
+    logp, entropy = logprobs(*args)
     if not return_entropy:
         return logp.view(lead)
     return logp.view(lead), entropy.view(lead)
