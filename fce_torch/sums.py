@@ -14,7 +14,9 @@ import triton.language as tl
 
 from torch._subclasses.fake_tensor import is_fake
 
-from fce_core.config import PAIRWISE
+from fce_core.config import PAIRWISE, PAIRWISE_INTERPRETER
+
+from .kernels import fastmath as fm
 
 
 def traced(t):
@@ -45,8 +47,9 @@ def _pairwise_sum_kernel(x_ptr, out_ptr, n_rows, n, s_row, s_col, n_out, BR: tl.
     tl.store(out_ptr + rows64 * n_out + tl.program_id(1), row_sum(v, BR, BW, LOG2_BW), mask=rows < n_rows)
 
 
-def pairwise_sum(x, cfg=PAIRWISE):
+def pairwise_sum(x, cfg=None):
     """Sum over the last axis by a fixed pairwise tree (zero-padded to a power of two): x[0::2] + x[1::2]."""
+    cfg = cfg or (PAIRWISE if fm.ASM else PAIRWISE_INTERPRETER)
     n = x.shape[-1]
     lead = x.shape[:-1]
     if n == 0 or x.numel() == 0:
