@@ -117,7 +117,11 @@ class BudgetConfig:
 
 ROW_PASS = RowPassConfig()
 # The CPU interpreters pay per program: wider row blocks, the same bits (block_rows is not numerics-bearing).
-ROW_PASS_INTERPRETER = RowPassConfig(block_rows=256)
+ROW_PASS_INTERPRETER = RowPassConfig(block_rows=64)
+# fce_torch's in the Triton interpreter: a whole small chunk per program (a CCE peer test's row passes 4 -> 1
+# programs); the Pallas interpreter keeps 64, its buffers for 256 rows outgrew tests/test_flce_jax_only.py's
+# memory bound.
+ROW_PASS_INTERPRETER_TORCH = dataclasses.replace(ROW_PASS_INTERPRETER, block_rows=256)
 HEAD = BlockConfig(block=1024)
 PAIRS = PairConfig()
 PAIRWISE = PairwiseConfig()

@@ -1,6 +1,6 @@
 """The peers' own tests against fce's drop-ins: Liger-Kernel 0.8.5's FLCE and CPO test files and Cut
 Cross-Entropy 25.1.1's forward and backward test files (tests/peers, its README.md), in the driver's CPU
-variant (small shapes, Triton interpreter, two peer files at a time: about 1.5 minutes on two cores).
+variant (small shapes, Triton interpreter, two peer files at a time: about 2.5 minutes on two cores).
 
 One driver run (a subprocess) per session; one test here per peer file, which fails if any of that file's
 tests fails or errors, if it collected nothing, or if a test was skipped for a reason the driver does not

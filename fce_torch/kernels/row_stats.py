@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fce_core.config import ROW_PASS, ROW_PASS_INTERPRETER
+from fce_core.config import ROW_PASS, ROW_PASS_INTERPRETER_TORCH
 
 from . import fastmath as fm
 from .fastmath import LOG2E
@@ -92,7 +92,7 @@ def _row_stats_kernel(z_ptr, stride_z, bias_ptr, ry_ptr, cw_ptr,
 
 def row_pass(cfg=None):
     """The row-pass configuration: `cfg`, else the GPU's, or the interpreter's wider row blocks."""
-    return cfg or (ROW_PASS if fm.ASM else ROW_PASS_INTERPRETER)
+    return cfg or (ROW_PASS if fm.ASM else ROW_PASS_INTERPRETER_TORCH)
 
 
 def row_stats(z, bias, r_y, class_weights, *, spec, transform, asm, cfg=None):
