@@ -39,7 +39,7 @@ def _spilled(kernel, signature, constants, warps=8, stages=3, aligned=()):
     return int(re.search(r"(\d+) bytes spill stores", result.stderr).group(1))
 
 
-# The launches' own: FLATTEN where grad_gemms._run sets it (not in ADD, mode 1), unsliced K (dW, dX of one slice).
+# The launches' own: FLATTEN as fce_torch's tiles set it (grad_gemms.flattened), unsliced K (dW, dX of one slice).
 @pytest.mark.parametrize("mode, first, bm, bn, c_dt, a_t", [
     (2, False, 256, 128, "bf16", True), (2, True, 128, 256, "bf16", True), (0, False, 128, 256, "bf16", False),
     (0, False, 256, 128, "bf16", True), (1, False, 128, 256, "fp32", True)])
@@ -72,6 +72,7 @@ def _grad_loop_depth(sliced):
 
 
 def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False):
+    from fce_core.config import GRAD_GEMM_TORCH
     from fce_torch.kernels import grad_gemms
     c_block = f"[{bm},{bn // 2}]"
     sig = dict(a_ptr=f"tensordesc<bf16[64,{bm}]>" if a_t else f"tensordesc<bf16[{bm},64]>", s_am="i32",
@@ -80,8 +81,8 @@ def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False):
                N="i32", K="i32", SLICE_K="i32", n_slices="i32")
     dt = tl.bfloat16 if c_dt == "bf16" else tl.float32
     consts = dict(MODE=mode, FIRST=first, PRECISION="ieee", BM=bm, BN=bn, BK=64, EVEN_K=True, TMA=True, A_T=a_t,
-                  C_DESC=True, C_DT=dt, LO_DT=dt, PLANES=False, ROWS_FAST=False, FLATTEN=mode != grad_gemms.ADD,
-                  SLICED=sliced, ASM=True)
+                  C_DESC=True, C_DT=dt, LO_DT=dt, PLANES=False, ROWS_FAST=False,
+                  FLATTEN=grad_gemms.flattened(GRAD_GEMM_TORCH, mode), SLICED=sliced, ASM=True)
     return (_compiled if compiled else _spilled)(grad_gemms._gemm_kernel, sig, consts)
 
 

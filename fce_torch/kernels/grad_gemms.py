@@ -149,6 +149,13 @@ def _dx_config(n, hidden, slices, device):
     return _tall_where(lambda c: waves(n, hidden, slices, c.tile_m, c.tile_n, sms))
 
 
+def flattened(cfg, mode):
+    """Whether the launch pipelines its tile and K loops as one (`cfg.flatten`, persistent). ADD is not
+    flattened: its float32 C tile, staged in shared memory, would not fit next to the pipeline (sm_90a: 279 KB
+    of 227 for 16-bit operands)."""
+    return cfg.persistent and cfg.flatten and mode != ADD
+
+
 def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
     """C (or its `slices` [m, n] planes, one per slice of K: C [slices, m, n]) = A @ B with the epilogue
     `mode`: A [m, k] is `a`, or `a`ᵀ when `a_t` (`a` [k, m]); B [k, n] is `b`; all with unit column strides,
@@ -163,16 +170,13 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     half = (1,) * (c.dim() - 2) + (cfg.tile_m, cfg.tile_n // 2)  # the epilogue's column halves of a tile
     outs, c_desc = descriptors([(o, half) for o in outs], cfg)
     a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
-    # ADD is not flattened: its float32 C tile, staged in shared memory, would not fit next to the pipeline
-    # (sm_90a: 279 KB of 227 for 16-bit operands)
-    flatten = cfg.persistent and cfg.flatten and mode != ADD
     _gemm_kernel[(programs(gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg, a.device),)](
         aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], n, m, n, k, slice_k, slices, MODE=mode,
         FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
         TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
         LO_DT=ELEMENT_TYPES[(c if lo is None else lo).dtype],
         PLANES=c.dim() == 3, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
-        FLATTEN=flatten, SLICED=slices > 1, ASM=fm.ASM, num_warps=cfg.num_warps,
+        FLATTEN=flattened(cfg, mode), SLICED=slices > 1, ASM=fm.ASM, num_warps=cfg.num_warps,
         num_stages=stages(cfg, a.element_size()))
 
 
