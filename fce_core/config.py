@@ -93,7 +93,10 @@ class GradGemmConfig:
     split_n: int = 128
     tile_k: int = 64
     target_programs: int = 264   # split dX over V until about this many programs run
-    max_slices: int = 8          # each slice is a float32 [rows, H] plane next to the chunk's tile values
+    # Each slice is a float32 [rows, H] plane next to the chunk's tile values. A 512-row chunk at H = 640 has
+    # 20 tiles (13 slices by target_programs): 12 fill 120 of 132 multiprocessors on 256x128 launch tiles (8
+    # filled 80), and its 12 planes of 1.25 MiB, summed straight into dX, fit (8192, 640, 262144)'s budget.
+    max_slices: int = 12
     tile_m: int = 128
     tile_n: int = 128
     num_warps: int = 8

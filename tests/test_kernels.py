@@ -684,6 +684,25 @@ def test_pairwise_sum_levels(shape):
         pairwise_sum(torch.ones(shape, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("shape", [(3, 1), (3, 5), (2, 3, 300), (4, 0)], ids=str)
+def test_pairwise_sum_into_out(shape, dtype):
+    """fce_torch's pairwise sum written into a given tensor (the dX slices summed straight into the 16-bit dX):
+    the float32 tree's sum rounded once to nearest even in out's dtype, over one column, one level and several
+    (4 columns a level), and zeros for no columns; an out of another shape is refused."""
+    from fce_core.config import PairwiseConfig
+    from fce_torch.sums import pairwise_sum
+    dt = getattr(torch, dtype)
+    x = _rand(shape, 103) * torch.logspace(-3, 3, shape[-1]) if shape[-1] else torch.zeros(shape)
+    planes = x.movedim(-1, 0).contiguous()
+    for cfg in (None, PairwiseConfig(block_cols=4, block=16)):
+        out = torch.full(shape[:-1], 7.0, dtype=dt)
+        assert pairwise_sum(planes.movedim(0, -1), cfg, out=out) is out
+        assert torch.equal(out, torch.from_numpy(_tree_sum(x.numpy())).to(dt))
+    with pytest.raises(ValueError, match="shape"):
+        pairwise_sum(x, out=torch.empty(shape[:-1] + (2,), dtype=dt))
+
+
 @pytest.mark.parametrize("shape", [(1,), (7,), (1024,), (3, 1000), (2, 3, 37), (4, 0)], ids=str)
 def test_pairwise_sum(shape):
     """Sum over the last axis: exactly the fixed pairwise tree (so both twins give the same bits), within

@@ -181,15 +181,15 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
 
 
 def dx_gemm(dz, w, out, precision="ieee", cfg=None):
-    """out [n, H] (contiguous rows) = dZ [n, V] @ w [V, H], rounded once to out's dtype; over
-    `fce_core.plan.dx_slices` slices of V, their float32 planes summed by `pairwise_sum`, when that is
-    more than one."""
+    """out [n, H] (contiguous) = dZ [n, V] @ w [V, H], rounded once to out's dtype; over
+    `fce_core.plan.dx_slices` slices of V, their float32 planes summed by `pairwise_sum` straight into out,
+    when that is more than one."""
     (n, vocab), hidden = dz.shape, w.shape[1]
     slices = dx_slices(n, hidden, vocab, cfg or _config())
     cfg = cfg or _dx_config(n, hidden, slices, dz.device)
     planes = out if slices == 1 else torch.empty(slices, n, hidden, device=dz.device, dtype=F32)
     _run(dz, False, w, planes, None, n, hidden, vocab, WRITE, precision=precision, slices=slices, cfg=cfg)
-    return out if slices == 1 else out.copy_(pairwise_sum(planes.permute(1, 2, 0)))
+    return out if slices == 1 else pairwise_sum(planes.permute(1, 2, 0), out=out)
 
 
 def _dw_config(hidden):
