@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from parity.environment import fce_source
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -118,6 +120,7 @@ def meta(settings: Settings, **extra) -> dict:
         "warmup": settings.warmup,
         **extra,
         "versions": versions(),
+        "fce_source": fce_source(),
     }
 
 

@@ -61,6 +61,14 @@ class Plan:
         keep = self.keep_dz and need_grads
         return self.group_rows is None and (keep or layout(self.n_rows, self.rows)[1] == 1)
 
+    @property
+    def puts_valid_first(self) -> bool:
+        """Whether a sweep puts the valid rows first, so that the chunks past them need not run: one group of
+        several chunks. With one chunk every row runs anyway, and keeping the caller's order saves the
+        permutation's copies (at N = 256, H = 4096 the JAX twin's gathered x and scattered dX, 3.5 MiB over
+        Liger + A)."""
+        return self.group_rows is None and layout(self.n_rows, self.rows)[1] > 1
+
     def chunks_to_run(self, n_valid, clip=lambda v, lo, hi: min(hi, max(lo, v))):
         """The chunks of the single group that hold any of `n_valid` valid rows once those come first (the
         first chunk always runs); `clip(v, lo, hi)`: the framework's, for a traced count (``jnp.clip``)."""

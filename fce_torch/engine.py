@@ -123,10 +123,10 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
     dw is float32 when accumulated over several chunks or groups, in the weight's dtype otherwise.
 
-    Ignored rows (y == ignore_index) are skipped when the plan has one group: the rows are put valid-first
-    (`valid_first`) unless `valid_rows` (the host's count) says that none is ignored, and with that count the
-    full chunks past the last valid row never run; their outputs are 0 (so every head output must be per
-    row), their dX rows too. Without the count every chunk runs: an ignored row's dZ is exactly 0, so the bits
+    Ignored rows (y == ignore_index) are skipped when the plan has one group of several chunks
+    (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`) unless `valid_rows` (the host's
+    count) says that none is ignored, and with that count the full chunks past the last valid row never run;
+    their outputs are 0 (so every head output must be per row), their dX rows too. Without the count every chunk runs: an ignored row's dZ is exactly 0, so the bits
     are the same either way. With the plan's kept dZ the dX and dW GEMMs run once per group over all its rows
     (rows that did not run hold zeros), so their shapes, hence their bits, do not depend on the count.
 
@@ -141,7 +141,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     n_rows = x.shape[0]
     keep = plan.keep_dz and any(grads)
     order, n_run, caller_inputs = None, None, inputs
-    if plan.group_rows is None and valid_rows != n_rows:
+    if plan.puts_valid_first and valid_rows != n_rows:
         _, order, _ = valid_first(inputs["y"], ignore_index)
         inputs = {k: v[order] for k, v in inputs.items()}
         if keep:  # the GEMMs over the kept dZ take all rows valid-first

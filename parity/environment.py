@@ -9,13 +9,16 @@ found afterwards; the 16-bit cases run under whatever the process had. The repor
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-__all__ = ["FLOAT32_IEEE", "float32_settings", "precision_for", "environment", "device_slug"]
+__all__ = ["FLOAT32_IEEE", "float32_settings", "precision_for", "environment", "device_slug", "fce_source"]
 
 #: What the suite sets for a float32 case (names as the user would write them).
 FLOAT32_IEEE = {"torch.backends.cuda.matmul.allow_tf32": False, "torch.backends.cudnn.allow_tf32": False,
@@ -92,6 +95,29 @@ def _versions() -> dict:
     return out
 
 
+def source_digest(folder: Path) -> str:
+    """16 hex digits of SHA-256 over the Python files under `folder` (their relative paths and contents)."""
+    h = hashlib.sha256()
+    for f in sorted(folder.rglob("*.py")):
+        h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def fce_source() -> dict:
+    """Which fce a run imports: per package, its folder and `source_digest`. The two halves of an A/B run
+    must differ here; a tree put on PYTHONPATH does not win under ``python -m``, whose first path is the
+    working directory (an earlier A/B ran the same code twice that way)."""
+    out = {}
+    for pkg in ("fce_core", "fce_torch", "fce_jax"):
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            out[pkg] = "missing"
+            continue
+        folder = Path(next(iter(spec.submodule_search_locations))).resolve()
+        out[pkg] = f"{folder} {source_digest(folder)}"
+    return out
+
+
 def environment(device: str) -> dict:
     """Versions, the machine, and the float32 precision policy (what is set for the float32 cases, and
     what the process had at the start of the run), for the report header."""
@@ -109,4 +135,5 @@ def environment(device: str) -> dict:
     env["float32_policy"] = "IEEE float32 set around each float32 case, restored after; 16-bit cases as found"
     env["float32_set"] = dict(FLOAT32_IEEE)
     env["float32_found"] = float32_settings()
+    env["fce_source"] = fce_source()
     return env

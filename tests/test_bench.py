@@ -80,6 +80,26 @@ def test_op_smoke(bench):
     assert "n/a" in md
     assert (out / "op_time.png").stat().st_size > 0
     assert "torch_naive" in stdout and "cublas_3gemm" in stdout  # the final table
+    repo = Path(__file__).resolve().parent.parent
+    for pkg in ("fce_core", "fce_torch", "fce_jax"):  # the code that ran, recorded (A/B runs tell their halves)
+        folder, digest = result["meta"]["fce_source"][pkg].split()
+        assert Path(folder) == repo / pkg and len(digest) == 16, result["meta"]["fce_source"]
+
+
+def test_source_digest_tells_trees_apart(tmp_path):
+    """The digest of a package's Python files changes with any file's content or name, not with other files."""
+    from parity.environment import source_digest
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    first = source_digest(tmp_path)
+    (tmp_path / "notes.txt").write_text("not code")
+    assert source_digest(tmp_path) == first
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    changed = source_digest(tmp_path)
+    (tmp_path / "sub" / "b.py").rename(tmp_path / "sub" / "c.py")
+    assert len({first, changed, source_digest(tmp_path)}) == 3
 
 
 def test_sft_smoke(bench):

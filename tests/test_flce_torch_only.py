@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fce_torch.api
 import fce_torch.autodiff
@@ -154,30 +155,31 @@ def test_last_backward_scales_in_place(g_out, monkeypatch):
                grad_output=g_out)
 
 
+class SeenOps(TorchDispatchMode):
+    """The dispatcher's op packets (e.g. "aten.index_select", "fce.flce") that run inside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_eager_calls_run_the_ops_body_with_the_same_bits(reduction, monkeypatch):
     """In eager mode fused_lce runs the custom op's body as an autograd.Function (`autodiff._routed`): the
     autograd'd op (fce::flce, or fce::flce_rows for "none") never reaches the dispatcher, whose eager round
     trip cost ~0.3 ms of host time a call; forced through the dispatcher, the same loss and gradients bit for
     bit."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     op = "fce.flce" if reduction == "mean" else "fce.flce_rows"
     case = Case("eager", (2, 9), 32, 777, "bfloat16", bias=True, reduction=reduction, z_loss=1e-4, seed=43)
     inp = make_inputs(case)
 
     def run():
         leaves = [inp[k].clone().requires_grad_(True) for k in ("x", "weight", "bias")]
-        with Seen() as seen:
+        with SeenOps() as seen:
             loss = fused_lce(leaves[0], leaves[1], inp["targets"], bias=leaves[2], chunk_rows=8, **case.options())
             loss.sum().backward()
         return seen.ops, [loss.detach()] + [t.grad for t in leaves]
@@ -190,6 +192,25 @@ def test_eager_calls_run_the_ops_body_with_the_same_bits(reduction, monkeypatch)
     assert op in op_ops
     for a, b in zip(eager, through_op):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("engine", ["library", "fused"])
+@pytest.mark.parametrize("validate", [True, False])
+def test_one_chunk_keeps_the_callers_row_order(engine, validate):
+    """With one chunk (`Plan.puts_valid_first` false) the rows stay in the caller's order whatever is ignored:
+    no valid-first permutation, so no gathered rows of x, no index_copy of dX or of the outputs back, with or
+    without the host count; with several chunks and ignored rows the permutation is there. The values:
+    against the float64 reference."""
+    case = Case("one_chunk", (37,), 32, 300, "float32", ignore_frac=0.4, seed=44)
+    inp = make_inputs(case)
+    permuting = {"aten.index_select", "aten.index_copy_", "aten.index_copy", "aten.index"}
+    for chunk_rows, permutes in ((None, False), (8, True)):
+        x, w = (inp[k].clone().requires_grad_(True) for k in ("x", "weight"))
+        with SeenOps() as seen:
+            loss = fused_lce(x, w, inp["targets"], chunk_rows=chunk_rows, engine=engine, validate=validate)
+            loss.backward()
+        assert bool(seen.ops & permuting) == permutes, (chunk_rows, sorted(seen.ops & permuting))
+        check_flce(case, inp, {"loss": loss, "dx": x.grad, "dw": w.grad})
 
 
 def test_autocast_bf16():
