@@ -244,8 +244,9 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     Ignored rows (y == ignore_index) are skipped when the plan has one group of several chunks
     (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`), the valid ones counted on the
     device, and the full chunks past the last valid row never run (a loop with a traced trip count); their
-    outputs are 0 (so every head output must be per row), their dX rows too. With the plan's kept dZ the dX and dW GEMMs run once per group over all its rows (the rows
-    that did not run hold zeros), as in fce_torch, so their shapes do not depend on the count.
+    outputs are 0 (so every head output must be per row), their dX rows too. With the plan's kept dZ the dX
+    and dW GEMMs run once per group over all its rows (the rows that did not run hold zeros), as in
+    fce_torch, so their shapes do not depend on the count.
 
     `finish(outputs, inputs)` adds outputs from a whole group's outputs and inputs (in the caller's order);
     its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need
@@ -265,14 +266,14 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     sw = _Sweep(w, bias, class_weights, head, transform, grads, plan.keep_dz and need, plan.single_product(need),
                 x.dtype, comm, engine, weights)
     db = zeros_like_shard((w.shape[0],), F32, w) if grads[2] else None
-    if plan.group_rows is None and not plan.puts_valid_first:
-        outputs, dx, dw, db = _group_pass(sw, plan, x, inputs, inputs, 1, None, db, trace, finish)
-        return outputs, dx, _weight_grad(dw), db
     if plan.group_rows is None:
-        pos, order, n_valid = valid_first(inputs["y"], ignore_index)
-        permute = lambda v: jnp.take(v, order, axis=0)  # noqa: E731  (also for numpy or literal inputs)
-        outputs, dx, dw, db = _group_pass(sw, plan, x, {k: permute(v) for k, v in inputs.items()}, inputs,
-                                          plan.chunks_to_run(n_valid, jnp.clip), None, db, trace, finish, pos,
+        pos = order = None
+        inputs_g, n_run = inputs, 1
+        if plan.puts_valid_first:
+            pos, order, n_valid = valid_first(inputs["y"], ignore_index)
+            inputs_g = {k: jnp.take(v, order, axis=0) for k, v in inputs.items()}  # also numpy or literal inputs
+            n_run = plan.chunks_to_run(n_valid, jnp.clip)
+        outputs, dx, dw, db = _group_pass(sw, plan, x, inputs_g, inputs, n_run, None, db, trace, finish, pos,
                                           order)
         return outputs, dx, _weight_grad(dw), db
     g_first, n_groups = layout(plan.n_rows, plan.group_rows)

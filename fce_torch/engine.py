@@ -126,9 +126,10 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     Ignored rows (y == ignore_index) are skipped when the plan has one group of several chunks
     (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`) unless `valid_rows` (the host's
     count) says that none is ignored, and with that count the full chunks past the last valid row never run;
-    their outputs are 0 (so every head output must be per row), their dX rows too. Without the count every chunk runs: an ignored row's dZ is exactly 0, so the bits
-    are the same either way. With the plan's kept dZ the dX and dW GEMMs run once per group over all its rows
-    (rows that did not run hold zeros), so their shapes, hence their bits, do not depend on the count.
+    their outputs are 0 (so every head output must be per row), their dX rows too. Without the count every
+    chunk runs: an ignored row's dZ is exactly 0, so the bits are the same either way. With the plan's kept
+    dZ the dX and dW GEMMs run once per group over all its rows (rows that did not run hold zeros), so their
+    shapes, hence their bits, do not depend on the count.
 
     `finish(outputs, inputs)` adds outputs from a whole group's outputs and inputs (in the caller's order);
     its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need

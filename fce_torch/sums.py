@@ -18,9 +18,6 @@ from fce_core.config import PAIRWISE, PAIRWISE_INTERPRETER
 
 from .kernels import fastmath as fm
 
-_TL_TYPES = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16,
-             torch.bfloat16: tl.bfloat16}
-
 
 def traced(t):
     """Whether `t` is being traced (torch.compile's Dynamo, or AOTAutograd's fake / functional tensors), so
@@ -41,14 +38,14 @@ def row_sum(v, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr):
 
 @triton.jit
 def _pairwise_sum_kernel(x_ptr, out_ptr, n_rows, n, s_row, s_col, n_out, BR: tl.constexpr, BW: tl.constexpr,
-                         LOG2_BW: tl.constexpr, OUT_DT: tl.constexpr, ASM: tl.constexpr):
+                         LOG2_BW: tl.constexpr, ASM: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BW + tl.arange(0, BW)
     rows64 = rows.to(tl.int64)
     v = tl.load(x_ptr + rows64[:, None] * s_row + cols.to(tl.int64)[None, :] * s_col,
                 mask=(rows < n_rows)[:, None] & (cols < n)[None, :], other=0.0)
-    tl.store(out_ptr + rows64 * n_out + tl.program_id(1), fm.to_dtype(row_sum(v, BR, BW, LOG2_BW), OUT_DT, ASM),
-             mask=rows < n_rows)
+    total = fm.to_dtype(row_sum(v, BR, BW, LOG2_BW), out_ptr.dtype.element_ty, ASM)  # rounded once, to out's
+    tl.store(out_ptr + rows64 * n_out + tl.program_id(1), total, mask=rows < n_rows)
 
 
 def pairwise_sum(x, cfg=None, out=None):
@@ -68,7 +65,6 @@ def pairwise_sum(x, cfg=None, out=None):
         raise TypeError(f"pairwise_sum sums floating-point arrays, got {x.dtype}")
     if traced(x):
         return sliced_sum(x) if out is None else out.copy_(sliced_sum(x))
-    into_out = False
     v = x.reshape(-1, n)  # a view wherever the leading axes collapse (the dX planes' permutation does)
     while n > 1:
         width = min(1 << (n - 1).bit_length(), cfg.block_cols)
@@ -79,12 +75,11 @@ def pairwise_sum(x, cfg=None, out=None):
         level = out.view(-1, 1) if into_out else torch.empty(v.shape[0], n_out, device=x.device, dtype=x.dtype)
         _pairwise_sum_kernel[(triton.cdiv(v.shape[0], rows), n_out)](
             v, level, v.shape[0], n, v.stride(0), v.stride(1), n_out, BR=rows, BW=width,
-            LOG2_BW=width.bit_length() - 1, OUT_DT=_TL_TYPES[level.dtype], ASM=fm.ASM,
-            num_warps=cfg.num_warps)
+            LOG2_BW=width.bit_length() - 1, ASM=fm.ASM, num_warps=cfg.num_warps)
         v, n = level, n_out
     if out is None:
         return v.reshape(lead)  # [rows, 1]
-    return out if into_out else out.copy_(v.reshape(lead))  # one column: no level ran
+    return out if x.shape[-1] > 1 else out.copy_(v.reshape(lead))  # one column: no level ran
 
 
 def sliced_sum(x):
