@@ -260,6 +260,7 @@ TILE_CASES = {  # id: (dtype, rows, H, V, logit scale, bias, class weights, q, p
     "bf16_cw_q_softcap": ("bfloat16", 21, 32, 130, 5.0, False, True, True, False, 10.0, 1.0),
     "f16_cw_q_pz_softcap_temperature": ("float16", 17, 24, 100, 3.0, True, True, True, True, 3.0, 0.7),
     "f32_one_row_huge_pz": ("float32", 1, 48, 777, 50.0, True, False, False, True, None, 1.0),
+    "bf16_full_tiles_bias_cw_q_pz": ("bfloat16", 19, 32, 128, 3.0, True, True, True, True, None, 1.0),  # V % 32 == 0
 }
 UNIT = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}     # unit roundoff
 TINY = {"float32": 2.0 ** -126, "bfloat16": 2.0 ** -126, "float16": 2.0 ** -24}  # what may flush / round away

@@ -2,14 +2,25 @@
 logits GEMM alone at chunk shapes, fused_lce's loss (wall, and its kernels' device time) and fwd+bwd (wall,
 and the device time per kernel name, from torch.profiler, which host noise does not reach).
 
-Usage (GPU, repo root): python tools/ab_torch.py LABEL [TREE]   (TREE: a directory holding the fce_torch to
-time, e.g. a copy of another commit's; default the repo's). A development tool.
+Usage (GPU, repo root): python tools/ab_torch.py LABEL [TREE] [--steps N,H,V ...]   (TREE: a directory holding
+the fce_torch to time, e.g. a copy of another commit's; default the repo's. --steps: only the fwd+bwd of these
+shapes). A development tool.
 """
 import os
 import sys
 
-which = sys.argv[1]
-sys.path[0] = os.path.abspath(sys.argv[2]) if len(sys.argv) > 2 else os.getcwd()
+
+def _split(args):
+    """(the positional arguments, the --steps shapes or None)."""
+    if "--steps" not in args:
+        return args, None
+    i = args.index("--steps")
+    return args[:i], [tuple(int(v) for v in s.split(",")) for s in args[i + 1:]]
+
+
+_pos, STEPS = _split(sys.argv[1:])
+which = _pos[0]
+sys.path[0] = os.path.abspath(_pos[1]) if len(_pos) > 1 else os.getcwd()
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -54,6 +65,10 @@ def inputs(n, h, v):
 def main():
     print(which, fce_torch.__file__)
     out = {}
+    if STEPS:
+        for n, h, v in STEPS:
+            step_times(out, *inputs(n, h, v), f"{n},{h},{v}")
+        return report(out)
     for n, h, v in ((512, 640, 262144), (768, 896, 151936), (1024, 4096, 128256)):
         x, w, y = inputs(n, h, v)
         for store in (False, True):
@@ -66,15 +81,24 @@ def main():
                 fce_torch.fused_lce(x, w, y, engine="fused")
             out[f"loss {n},{h},{v}"] = timed(loss)
             out[f"loss {n},{h},{v} kernels"] = sum(ms for ms, _ in device_ms(loss).values())
-        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        step_times(out, x, w, y, f"{n},{h},{v}")
+    report(out)
 
-        def step():
-            xg.grad = wg.grad = None
-            fce_torch.fused_lce(xg, wg, y, engine="fused").backward()
-        out[f"fwd+bwd {n},{h},{v}"] = timed(step, 5)
-        for name, (ms, count) in device_ms(step).items():
-            if ms > 0.2:
-                out[f"fwd+bwd {n},{h},{v} kernel {name[:40]} x{count}"] = ms
+
+def step_times(out, x, w, y, shape):
+    """fwd+bwd of fused_lce: wall (CUDA events) and device time per kernel name, into `out`."""
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def step():
+        xg.grad = wg.grad = None
+        fce_torch.fused_lce(xg, wg, y, engine="fused").backward()
+    out[f"fwd+bwd {shape}"] = timed(step, 5)
+    for name, (ms, count) in device_ms(step).items():
+        if ms > 0.2:
+            out[f"fwd+bwd {shape} kernel {name[:40]} x{count}"] = ms
+
+
+def report(out):
     for key, ms in out.items():
         print(f"{which} | {key} | {ms:.3f} ms")
 

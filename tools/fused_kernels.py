@@ -6,7 +6,8 @@ default.
 The logits variants (TMA loads, persistent programs) are fce_torch's; the JAX twin runs its one kernel for
 each. A development tool: its table guides GemmConfig and GradGemmConfig.
 
-Usage (GPU): python tools/fused_kernels.py OUT_DIR [--grads] [N,H,V ...]   (--grads: the gradient GEMMs only)
+Usage (GPU): python tools/fused_kernels.py OUT_DIR [--grads | --logits] [N,H,V ...]   (--grads: the gradient
+GEMMs only; --logits: the logits GEMM only)
 """
 import dataclasses
 import json
@@ -30,8 +31,8 @@ from fce_torch.kernels import logit_tiles as tt
 
 LAUNCH = dict(tma=False, persistent=False)  # fce_torch's pointer-load kernels, one program per tile
 VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
-    dict(tma=True), dict(tma=True, persistent=True), dict(tma=True, persistent=True, flatten=True),
-    dict(tma=True, persistent=True, flatten=True, num_stages=4))]
+    dict(tma=True, persistent=True), dict(tma=True), {}, dict(tma=True, persistent=True, num_stages=4),
+    dict(tma=True, num_stages=4), dict(num_stages=4))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
     {}, dict(flatten=False), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=False))]
 # the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, and 128x256)
@@ -56,7 +57,7 @@ def grad_rows(n, h, v):
     dzj, wj, xj = (jax.dlpack.from_dlpack(t) for t in (dz, w, x))
     flop = 2 * m * h * v
     rows.append(dict(shape=(m, h, v), impl="cublas dx / dw",
-                     ms=_time(lambda: torch.mm(dz, w)), ms_dw=_time(lambda: torch.mm(dz.t(), x))))
+                     ms=best_ms(lambda: torch.mm(dz, w)), ms_dw=best_ms(lambda: torch.mm(dz.t(), x))))
     out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
     pair = tg.dw_first(dz, x, torch.bfloat16)
     ref = dict(dx=_bits(tg.dx_gemm(dz, w, out)), dw=_bits(tg.dw_gemm(dz, x, torch.bfloat16)),
@@ -86,7 +87,7 @@ def grad_rows(n, h, v):
 
                     got = dict(dx=fdx(), dw=fdw(),
                                pair=jacc(dzj, xj, tuple(jax.dlpack.from_dlpack(p.clone()) for p in pair)))
-                row.update(dx_ms=_time(fdx), dw_ms=_time(fdw), acc_ms=_time(facc))
+                row.update(dx_ms=best_ms(fdx), dw_ms=best_ms(fdw), acc_ms=best_ms(facc))
                 row["bits"] = {"dx": bool(np.array_equal(_bits(got["dx"]), ref["dx"])),
                                "dw": bool(np.array_equal(_bits(got["dw"]), ref["dw"])),
                                "pair": all(np.array_equal(_bits(a), b) for a, b in zip(got["pair"], ref["pair"]))}
@@ -98,7 +99,7 @@ def grad_rows(n, h, v):
     return rows
 
 
-def _time(fn, reps=10, rounds=3):
+def best_ms(fn, reps=10, rounds=3):
     """ms per call: the best of `rounds` rounds of `reps` calls back to back (one call with a synchronization
     each had varied by 15% between identical kernels)."""
     fn()
@@ -125,8 +126,8 @@ def _save(out_dir, rows):
 
 def main():
     args = sys.argv[1:]
-    grads_only = "--grads" in args
-    out_dir, *shapes = [a for a in args if a != "--grads"]
+    grads_only, logits_only = "--grads" in args, "--logits" in args
+    out_dir, *shapes = [a for a in args if a not in ("--grads", "--logits")]
     shapes = [tuple(int(v) for v in s.split(",")) for s in shapes] or [
         (4096, 4096, 128256), (256, 4096, 128256), (8192, 640, 262144)]
     rows = []
@@ -142,11 +143,11 @@ def main():
         xj, wj, yj = (jax.dlpack.from_dlpack(t) for t in (x, w, y.to(torch.int32)))
         flop = 2 * n * h * v
         jax_runs = {}
-        ms = _time(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))
+        ms = best_ms(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))
         rows.append(dict(shape=(n, h, v), impl="cublas_f32_out", ms=ms, tflops=flop / ms / 1e9))
         xla = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                                        preferred_element_type=jnp.float32))
-        ms = _time(lambda: xla(xj, wj).block_until_ready())
+        ms = best_ms(lambda: xla(xj, wj).block_until_ready())
         rows.append(dict(shape=(n, h, v), impl="xla_f32_out", ms=ms, tflops=flop / ms / 1e9))
         for cfg in VARIANTS:
             tag = _tag(cfg)
@@ -154,13 +155,13 @@ def main():
             row = dict(shape=(n, h, v), cfg=tag)
             try:
                 run_t = lambda: tt.logit_tiles(x, w, None, y, None, precision="ieee", **kw)  # noqa: E731
-                row["torch_ms"] = _time(run_t)
+                row["torch_ms"] = best_ms(run_t)
                 e_t, p_t = run_t()
                 base = dataclasses.replace(cfg, **LAUNCH)
                 if base not in jax_runs:
                     kw_j = dict(kw, cfg=base)
                     fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, None, c, None, precision=None, **kw_j))
-                    jax_runs[base] = (_time(lambda: jax.block_until_ready(fj(xj, wj, yj))), fj(xj, wj, yj))
+                    jax_runs[base] = (best_ms(lambda: jax.block_until_ready(fj(xj, wj, yj))), fj(xj, wj, yj))
                 row["jax_ms"], (e_j, p_j) = jax_runs[base]
                 row["tflops_torch"] = flop / row["torch_ms"] / 1e9
                 row["tflops_jax"] = flop / row["jax_ms"] / 1e9
@@ -172,7 +173,8 @@ def main():
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-        rows += grad_rows(n, h, v)
+        if not logits_only:
+            rows += grad_rows(n, h, v)
         _save(out_dir, rows)
     print("\n| N,H,V | variant | torch ms | jax ms | torch TF/s | jax TF/s | bits e | bits parts |")
     for r in rows:
