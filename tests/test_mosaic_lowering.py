@@ -1,8 +1,9 @@
 """The JAX twin's Mosaic GPU GEMMs lowered for CUDA on this CPU, at the H200 launch (GRAD_GEMM_MOSAIC) and real
 chunk shapes: `jax.export` with platforms=["cuda"] runs Mosaic GPU's own lowering (layout inference, wgmma,
 TMA, barriers) in Python, so a kernel that the GPU interpret mode runs but Mosaic cannot lower fails here, not
-first on the GPU. The PTX that XLA then compiles on the GPU is not built here. The CPU tests of the same kernels'
-values are in test_fused_engine.py (interpret mode)."""
+first on the GPU. The PTX that XLA then compiles on the GPU is not built here, and the lowering is this
+machine's jax (0.10.2; the H200 has 0.11.2). The CPU tests of the same kernels' values are in
+test_fused_engine.py (interpret mode)."""
 import dataclasses
 
 import jax
