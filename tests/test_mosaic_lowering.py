@@ -52,8 +52,12 @@ CASES = {  # name: (function of the operands, operand shapes and dtypes)
 def test_mosaic_gemms_lower_for_cuda(gpu_launch, name):
     fn, shapes = CASES[name]
     assert _mosaic_calls(fn, *(S(shape, dtype) for shape, dtype in shapes)) == 1
-    if name.startswith("dx sliced"):
-        assert dx_slices(512, 640, 262144, GRAD_GEMM_MOSAIC) > 1   # the planes' path
+
+
+def test_the_sliced_case_takes_the_planes_path():
+    """"dx sliced" lowers dX over several slices of V (float32 planes), "dx 4096x..." over one."""
+    assert dx_slices(512, 640, 262144, GRAD_GEMM_MOSAIC) > 1
+    assert dx_slices(4096, 4096, 128256, GRAD_GEMM_MOSAIC) == 1
 
 
 def test_a_tile_mosaic_cannot_lower_fails(gpu_launch):

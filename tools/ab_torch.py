@@ -68,7 +68,8 @@ def main():
     if STEPS:
         for n, h, v in STEPS:
             step_times(out, *inputs(n, h, v), f"{n},{h},{v}")
-        return report(out)
+        report(out)
+        return
     for n, h, v in ((512, 640, 262144), (768, 896, 151936), (1024, 4096, 128256)):
         x, w, y = inputs(n, h, v)
         for store in (False, True):

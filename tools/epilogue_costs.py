@@ -26,9 +26,9 @@ from fused_kernels import best_ms
 
 @triton.jit
 def _epilogue_parts_kernel(x_ptr, w_ptr, y_ptr, e_ptr, m_ptr, s_ptr, arg_ptr, zy_ptr, n_rows, V, H, n_tiles,
-       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOG2_BN: tl.constexpr,
-       MASK: tl.constexpr, ARG: tl.constexpr, ZY: tl.constexpr, SUM: tl.constexpr, STORE: tl.constexpr,
-       EXP: tl.constexpr, TREE: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOG2_BN: tl.constexpr,
+                           MASK: tl.constexpr, ARG: tl.constexpr, ZY: tl.constexpr, SUM: tl.constexpr,
+                           STORE: tl.constexpr, EXP: tl.constexpr, TREE: tl.constexpr):
     n_m = tl.cdiv(n_rows, BM)
     for pid in tl.range(tl.program_id(0), n_m * n_tiles, tl.num_programs(0)):
         t = pid // n_m
@@ -76,6 +76,8 @@ VARIANTS = {"full": {}, "no mask": dict(MASK=False), "no argmax": dict(ARG=False
 
 
 def main():
+    if len(sys.argv) < 2:
+        sys.exit("usage: python tools/epilogue_costs.py N,H,V [N,H,V ...]")
     cfg = GEMM
     rows = []
     for shape in sys.argv[1:]:

@@ -127,6 +127,8 @@ def _save(out_dir, rows):
 def main():
     args = sys.argv[1:]
     grads_only, logits_only = "--grads" in args, "--logits" in args
+    if grads_only and logits_only:
+        sys.exit("fused_kernels.py: --grads and --logits exclude each other (neither: both kinds of kernel)")
     out_dir, *shapes = [a for a in args if a not in ("--grads", "--logits")]
     shapes = [tuple(int(v) for v in s.split(",")) for s in shapes] or [
         (4096, 4096, 128256), (256, 4096, 128256), (8192, 640, 262144)]
