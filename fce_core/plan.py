@@ -9,7 +9,7 @@ The chunks that hold only ignored rows (once the valid rows come first) need not
 """
 from dataclasses import dataclass
 
-from .config import BUDGET, GRAD_GEMM, BudgetConfig, GradGemmConfig
+from .config import BUDGET, GRAD_GEMM, PAIR_LO_BYTES, BudgetConfig, GradGemmConfig
 
 
 def chunk_rows(n_rows: int, vocab: int, requested: int | None = None, budget: int = BUDGET.logits,
@@ -77,14 +77,16 @@ class Plan:
 
 
 def plan_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,
-              requested: int | None = None, budget: BudgetConfig = BUDGET, engine: str = "library") -> Plan:
+              requested: int | None = None, budget: BudgetConfig = BUDGET, engine: str = "library",
+              dw_pair: bool = False) -> Plan:
     """The plan of a row loss (FLCE, token log-probs): dZ is kept when gradients are asked, there are several
     chunks and all rows' dZ is no larger than the float32 dW accumulator it replaces (N * itemsize <= 4 H).
     Which gradients are asked does not enter (a frozen weight plans like a trained one), so that both twins
-    (fce_jax always computes all three) run the same GEMM shapes. The fused engine plans by `fused_rows`."""
+    (fce_jax always computes all three) run the same GEMM shapes. The fused engine plans by `fused_rows`
+    (`dw_pair`: a bfloat16 weight, whose dW it accumulates as a (hi, lo) pair)."""
     if engine == "fused":
         return fused_rows(n_rows, hidden, vocab, itemsize, need_grads=need_grads, requested=requested,
-                          budget=budget)
+                          budget=budget, dw_pair=dw_pair)
     rows = chunk_rows(n_rows, vocab, requested, budget.logits, budget.row_multiple)
     keep = need_grads and rows < n_rows and n_rows * itemsize <= 4 * hidden
     if keep and requested is None:
@@ -93,14 +95,20 @@ def plan_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grads
 
 
 def fused_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,
-               requested: int | None = None, budget: BudgetConfig = BUDGET) -> Plan:
+               requested: int | None = None, budget: BudgetConfig = BUDGET, dw_pair: bool = False) -> Plan:
     """The fused engine's row plan. A chunk's tile values (itemsize bytes per logit) fit `budget.tiles`.
     With gradients and several chunks, dZ is kept (the tile values are then written into the kept rows, so
     no chunk buffer exists) when that costs no more than accumulating would: all rows' dZ against one chunk
     plus the float32 accumulator's excess over a dW in the weight's dtype,
-    N * itemsize <= H * (4 - itemsize) + rows * itemsize."""
+    N * itemsize <= H * (4 - itemsize) + rows * itemsize. Otherwise, with `dw_pair` (a bfloat16 weight, its dW
+    accumulated as a bfloat16 hi and an int8 lo: an excess of PAIR_LO_BYTES per element where float32's is 2),
+    the chunk takes the bytes the pair saves, V * H * (2 - PAIR_LO_BYTES) more for its tile values: the same
+    memory in fewer, larger chunks, so the accumulator is read and written fewer times."""
     rows = chunk_rows(n_rows, vocab, requested, budget.tiles, budget.row_multiple, itemsize)
     keep = need_grads and rows < n_rows and n_rows * itemsize <= hidden * (4 - itemsize) + rows * itemsize
+    if need_grads and dw_pair and not keep and rows < n_rows and requested is None:
+        rows = chunk_rows(n_rows, vocab, None, budget.tiles + vocab * hidden * (2 - PAIR_LO_BYTES),
+                          budget.row_multiple, itemsize)
     return Plan(n_rows, rows, keep)
 
 

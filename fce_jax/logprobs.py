@@ -27,7 +27,8 @@ def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), 
     """(rows {lse, logp, entropy, ...}, dx, dw, db); with cotangents g (logp) and h (entropy), the rows whose
     cotangents are all zero take no part (they count as ignored). `comm`: vocab parallel (w, bias: a shard)."""
     head, inputs, plan = logprob_setup(arrays, logprob_head, x.shape, x.dtype.itemsize, w.shape[0], y, opt,
-                                       entropy=entropy, need_grads=any(grads), g=g, h=h, comm=comm)
+                                       entropy=entropy, need_grads=any(grads),
+                                       dw_pair=x.dtype == jnp.bfloat16, g=g, h=h, comm=comm)
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,
                  ignore_index=opt.ignore_index, comm=comm, engine=opt.engine)
 

@@ -29,7 +29,8 @@ def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), 
     """(rows {lse, logp, entropy, ...}, dx, dw, db); with cotangents g (logp) and h (entropy), the rows whose
     cotangents are all zero take no part (they count as ignored). `comm`: vocab parallel (w, bias: a shard)."""
     head, inputs, plan = logprob_setup(arrays, logprob_head, x.shape, x.element_size(), w.shape[0], y, opt,
-                                       entropy=entropy, need_grads=any(grads), g=g, h=h, comm=comm)
+                                       entropy=entropy, need_grads=any(grads),
+                                       dw_pair=x.dtype == torch.bfloat16, g=g, h=h, comm=comm)
     vocab = w.shape[0] if comm is None else comm.vocab
     valid_rows = check_values(inputs["y"], vocab, opt.ignore_index) if validate else None
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,

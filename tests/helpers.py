@@ -129,10 +129,13 @@ def to_jax(t):
 
 
 def to_torch(a):
-    """A torch tensor with the same values and dtype as the JAX array ``a`` (float32 / bfloat16 / float16)."""
+    """A torch tensor with the same values and dtype as the JAX array ``a`` (float32 / bfloat16 / float16;
+    integers as they are)."""
     import torch
 
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if a.dtype.name not in names:
+        return torch.from_numpy(np.array(a))
     return torch.from_numpy(np.asarray(a.astype("float32"))).to(names[a.dtype.name])
 
 

@@ -665,30 +665,43 @@ def _exact_grad_operands(n, hidden, v, dt, seed):
 
 
 def _pair_after(chunk_sums):
-    """The bfloat16 (hi, lo) pair after each chunk's float32 sum s_c: s = (hi + lo) + s_c, hi = rne(s),
-    lo = rne(s - hi), the rule fce_torch/kernels/grad_gemms.py states."""
+    """The (hi bfloat16, lo int8) pair after each chunk's float32 sum s_c, by the rule fce_torch/kernels/
+    grad_gemms.py states, in float64 here: s = (hi + lo 2**(E - 142)) + s_c in float32, hi = rne(s), E hi's
+    biased exponent, lo = rne((s - hi) 2**(142 - E)) clipped to +-127, 0 where E < 40 or hi is not finite."""
     hi = lo = None
     for s_c in chunk_sums:
-        s = s_c.float() if hi is None else (hi.float() + lo.float()) + s_c.float()
+        s = s_c.float() if hi is None else (_pair_value(hi, lo).float() + s_c.float())
         hi = s.to(torch.bfloat16)
-        lo = (s - hi.float()).to(torch.bfloat16)
+        biased = _biased_exponent(hi)
+        q = torch.round((s.double() - hi.double()) * torch.exp2(142.0 - biased.double())).clamp(-127, 127)
+        lo = torch.where((biased >= 40) & hi.float().isfinite(), q, 0.0).to(torch.int8)
     return hi, lo
 
 
+def _biased_exponent(hi):
+    """E of hi = m 2**(E - 127), 1 <= m < 2 (0 for zeros; below 1 for subnormals)."""
+    return torch.where(hi == 0, 0, torch.frexp(hi.float()).exponent + 126)
+
+
+def _pair_value(hi, lo):
+    """hi + lo 2**(E - 142) in float64 (exact)."""
+    return hi.double() + lo.double() * torch.exp2(_biased_exponent(hi).double().clamp(min=40) - 142.0)
+
+
 def _same_bits(a, b):
-    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}[a.element_size()]
     return a.dtype == b.dtype and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
-@pytest.mark.parametrize("dtype, hidden", [("bfloat16", 136), ("float16", 64)])
+@pytest.mark.parametrize("dtype, hidden", [("bfloat16", 144), ("float16", 64)])
 def test_jax_mosaic_grad_gemms(dtype, hidden):
     """The JAX twin's Mosaic GPU dX and dW kernels (GradGemmConfig.mosaic, run in Mosaic GPU's interpret mode):
     dX over several V slices and in one, dW written, and dW accumulated over two chunks (the (hi, lo) pair for
     bfloat16, float32 for float16). On exact-sum operands each is bit for bit the exact result rounded as the
     contract says, as are the Pallas Triton kernels and fce_torch's; also with 256-wide tiles, whose loaded C
     blocks (ADD, PAIR) outnumber the two shared-memory slots. Ragged everywhere: 37 rows, V = 296 (K
-    not a multiple of tile_k; rows still of whole 16 bytes, as TMA needs), H = 136 (not a multiple of tile_n),
-    chunks of 20 and 17 rows (dW's K)."""
+    not a multiple of tile_k; rows still of whole 16 bytes, as TMA needs, the int8 lo plane's too), H = 144 (not a
+    multiple of tile_n), chunks of 20 and 17 rows (dW's K)."""
     import jax.numpy as jnp
 
     from fce_core.config import GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC_INTERPRETER
@@ -763,7 +776,7 @@ def test_jax_fused_engine_on_mosaic_grads(monkeypatch, name):
 
     mosaic_gemm = grad_gemms_mgpu.mosaic_gemm
     monkeypatch.setattr(grad_gemms_mgpu, "mosaic_gemm", counted)
-    monkeypatch.setattr(jg, "_config", lambda a, b: (
+    monkeypatch.setattr(jg, "_config", lambda a, b, outs=(): (
         GRAD_GEMM_MOSAIC_INTERPRETER if jnp.dtype(a.dtype).itemsize == 2 else GRAD_GEMM_INTERPRETER))
     case, chunk_rows = MOSAIC_ENGINE_CASES[name]
     case = _fused(case)
@@ -831,7 +844,7 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
         calls = [(lambda a, b: jg.dx_gemm(a, b, bf), dz, w),
                  (lambda a, b: jg.dw_gemm(a, b, bf), dz, x),
                  (lambda a, b: jg.dw_first(a, b, bf), dz, x),
-                 (lambda a, b, c, d: jg.dw_accumulate(a, b, (c, d)), dz, x, acc, acc),
+                 (lambda a, b, c, d: jg.dw_accumulate(a, b, (c, d)), dz, x, acc, s((v, h), jnp.int8)),
                  (lambda a, b, c: jg.dw_accumulate(a, b, c), s((n, v), f16), s((n, h), f16), s((v, h), f32))]
         for fn, *args in calls:
             assert "mosaic_gpu" in lowered(fn, *args)
@@ -839,7 +852,8 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
     mesh, rep = jax.make_mesh((1,), ("model",)), jax.sharding.PartitionSpec()
     dz, w = s((256, 1024), bf), s((1024, 64), bf)
     for fn, *args in ((lambda a, b: jg.dx_gemm(a, b, bf), dz, w),
-                      (lambda a, b, c, d: jg.dw_accumulate(a, b, (c, d)), dz, s((256, 64), bf), w, w)):
+                      (lambda a, b, c, d: jg.dw_accumulate(a, b, (c, d)), dz, s((256, 64), bf), w,
+                       s(w.shape, jnp.int8))):
         mapped = jax.shard_map(fn, mesh=mesh, in_specs=(rep,) * len(args), out_specs=rep, check_vma=True)
         assert "mosaic_gpu" in lowered(mapped, *args)
     # the Triton lowering where Mosaic GPU's TMA cannot go: float32 operands, rows not of whole 16 bytes

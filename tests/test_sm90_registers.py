@@ -41,7 +41,8 @@ def _spilled(kernel, signature, constants, warps=8, stages=3, aligned=()):
 
 # The launches' own: FLATTEN as fce_torch's tiles set it (grad_gemms.flattened), unsliced K (dW, dX of one slice).
 @pytest.mark.parametrize("mode, first, bm, bn, c_dt, a_t", [
-    (2, False, 256, 128, "bf16", True), (2, True, 128, 256, "bf16", True), (0, False, 128, 256, "bf16", False),
+    (2, False, 256, 128, "bf16", True), (2, False, 128, 256, "bf16", True), (2, True, 128, 256, "bf16", True),
+    (0, False, 128, 256, "bf16", False),
     (0, False, 256, 128, "bf16", True), (1, False, 128, 256, "fp32", True)])
 def test_grad_gemm_epilogue_does_not_spill(mode, first, bm, bn, c_dt, a_t):
     assert _in_compiler("grad", mode, first, bm, bn, c_dt, a_t) == 0
@@ -77,11 +78,12 @@ def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False):
     c_block = f"[{bm},{bn // 2}]"
     sig = dict(a_ptr=f"tensordesc<bf16[64,{bm}]>" if a_t else f"tensordesc<bf16[{bm},64]>", s_am="i32",
                s_ak="i32", b_ptr=f"tensordesc<bf16[64,{bn}]>", s_bk="i32", s_bn="i32",
-               c_ptr=f"tensordesc<{c_dt}{c_block}>", lo_ptr=f"tensordesc<{c_dt}{c_block}>", s_cm="i32", M="i32",
+               c_ptr=f"tensordesc<{c_dt}{c_block}>", lo_ptr=f"tensordesc<{'i8' if mode == 2 else c_dt}{c_block}>",
+               s_cm="i32", M="i32",
                N="i32", K="i32", SLICE_K="i32", n_slices="i32")
     dt = tl.bfloat16 if c_dt == "bf16" else tl.float32
     consts = dict(MODE=mode, FIRST=first, PRECISION="ieee", BM=bm, BN=bn, BK=64, EVEN_K=True, TMA=True, A_T=a_t,
-                  C_DESC=True, C_DT=dt, LO_DT=dt, PLANES=False, ROWS_FAST=False,
+                  C_DESC=True, C_DT=dt, PLANES=False, ROWS_FAST=False,
                   FLATTEN=grad_gemms.flattened(GRAD_GEMM_TORCH, mode), SLICED=sliced, ASM=True)
     return (_compiled if compiled else _spilled)(grad_gemms._gemm_kernel, sig, consts)
 

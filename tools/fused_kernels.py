@@ -49,7 +49,7 @@ def grad_rows(n, h, v):
     """dX, dW and the (hi, lo) accumulation of a second chunk (of the fused engine's plan for bfloat16 at
     (n, h, v)) with each launch variant of either twin; every variant's bits against fce_torch's default."""
     rows = []
-    m = min(n, fused_rows(n, h, v, 2, need_grads=True).rows)
+    m = min(n, fused_rows(n, h, v, 2, need_grads=True, dw_pair=True).rows)
     g = torch.Generator(device="cuda").manual_seed(1)
     dz = (torch.randn(m, v, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
     w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)

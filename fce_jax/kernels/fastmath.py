@@ -8,9 +8,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import LN2, LOG2E, TANH_C3, TANH_C5, TANH_C7, TANH_POLY_BELOW
+from jax import lax
 
-__all__ = ["LN2", "LOG2E", "ex2", "lg2", "mul", "div", "fma", "tanh"]
+from fce_core.config import (LN2, LOG2E, PAIR_LO_MAX, PAIR_MIN_EXPONENT, PAIR_ROUND, PAIR_SCALE, TANH_C3, TANH_C5,
+                             TANH_C7, TANH_POLY_BELOW)
+
+__all__ = ["LN2", "LOG2E", "ex2", "lg2", "mul", "div", "fma", "tanh", "pair_split", "pair_value"]
 
 
 def _asm(op, *args):
@@ -58,3 +61,39 @@ def tanh(u, asm):
     big = div(1.0 - e, 1.0 + e, asm)
     big = jnp.where(u < 0.0, -big, big)
     return jnp.where(jnp.abs(u) < TANH_POLY_BELOW, small, big)
+
+
+def _pair_exponent(hf):
+    """hi's biased float32 exponent clamped to [PAIR_MIN_EXPONENT, 254], and whether it was in that range."""
+    e = (lax.bitcast_convert_type(hf, jnp.int32) >> 23) & 0xFF
+    return jnp.clip(e, PAIR_MIN_EXPONENT, 254), (e >= PAIR_MIN_EXPONENT) & (e < 255)
+
+
+def _power_of_two(biased):
+    return lax.bitcast_convert_type(biased << 23, jnp.float32)
+
+
+def _round_even(t, asm):
+    """t (|t| < 2**22) rounded to an integer, to nearest even: fma's add of PAIR_ROUND on the GPU (as
+    fce_torch), lax.round elsewhere (XLA CPU folds (t + c) - c back into t)."""
+    if asm:
+        return fma(t, 1.0, PAIR_ROUND, asm) - PAIR_ROUND
+    return lax.round(t, lax.RoundingMethod.TO_NEAREST_EVEN)
+
+
+def pair_split(s, hi_dtype, asm):
+    """The (hi, lo) pair of float32 s (fce_core.config, PAIR_*): hi = rne(s) in hi_dtype, lo = rne((s - hi) in
+    units of 2**-8 ulps of hi) as int8, clipped to +-127. Every product is exact (powers of two); the one
+    rounding is `_round_even`'s."""
+    hi = s.astype(hi_dtype)
+    hf = hi.astype(jnp.float32)
+    e, finite = _pair_exponent(hf)
+    q = _round_even(mul(s - hf, _power_of_two(PAIR_SCALE + 127 - e), asm), asm)
+    return hi, jnp.where(finite, jnp.clip(q, -PAIR_LO_MAX, PAIR_LO_MAX), 0.0).astype(jnp.int8)
+
+
+def pair_value(hi, lo, asm):
+    """hi + lo of a `pair_split` pair in float32 (exact: 16 significant bits at most)."""
+    hf = hi.astype(jnp.float32)
+    e, _ = _pair_exponent(hf)
+    return fma(lo.astype(jnp.float32), _power_of_two(e - (PAIR_SCALE - 127)), hf, asm)

@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as pltriton
 from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC
 from fce_core.plan import dx_slices, rows_fast
 
+from . import fastmath as fm
 from .launch import call, interpret_mode
 from ..sums import pairwise_sum
 
@@ -27,7 +28,7 @@ F32 = jnp.float32
 WRITE, ADD, PAIR = 0, 1, 2
 
 
-def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg):
+def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg, asm):
     c_ref, lo_ref = (refs[-2], refs[-1]) if mode == PAIR else (refs[-1], None)
     bm, bn, bk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     # program (tile, slice): the slice's K range [k_lo, k_hi) and its [m, n] plane of C
@@ -65,11 +66,11 @@ def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, prec
     else:
         s = acc
         if not first:
-            s = (pltriton.load(c_ref.at[block], mask=mask, other=0.0).astype(F32)
-                 + pltriton.load(lo_ref.at[block], mask=mask, other=0.0).astype(F32)) + acc
-        hi = s.astype(c_ref.dtype)
+            s = fm.pair_value(pltriton.load(c_ref.at[block], mask=mask, other=0.0),
+                              pltriton.load(lo_ref.at[block], mask=mask, other=0), asm) + acc
+        hi, lo = fm.pair_split(s, c_ref.dtype, asm)
         pltriton.store(c_ref.at[block], hi, mask=mask)
-        pltriton.store(lo_ref.at[block], (s - hi.astype(F32)).astype(lo_ref.dtype), mask=mask)
+        pltriton.store(lo_ref.at[block], lo, mask=mask)
 
 
 def tma_rows(arr):
@@ -77,13 +78,13 @@ def tma_rows(arr):
     return arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16 == 0
 
 
-def _config(a, b):
-    """The default launch for the operands a, b: Mosaic GPU for 16-bit ones whose rows TMA can move (whole 16
-    bytes; C's rows are b's); else the Triton lowering, as fce_torch takes pointer loads where TMA cannot (the
-    same bits either way)."""
+def _config(a, b, outs=()):
+    """The default launch for the operands a, b and the outputs `outs`: Mosaic GPU for 16-bit operands where TMA
+    can move every row (whole 16 bytes; an int8 lo plane's rows are H bytes); else the Triton lowering, as
+    fce_torch takes pointer loads where TMA cannot (the same bits either way)."""
     if interpret_mode():
         return GRAD_GEMM_INTERPRETER
-    if jnp.dtype(a.dtype).itemsize != 2 or not all(o.size and tma_rows(o) for o in (a, b)):
+    if jnp.dtype(a.dtype).itemsize != 2 or not all(o.size and tma_rows(o) for o in (a, b, *outs)):
         return GRAD_GEMM
     return GRAD_GEMM_MOSAIC
 
@@ -91,7 +92,7 @@ def _config(a, b):
 def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=1, cfg=None):
     """The GEMM into `outs` (arrays to update in place, aliased) or new ones (ShapeDtypeStructs; with
     `slices`, one [slices, m, n] array of the K slices' planes): on Mosaic GPU with `cfg.mosaic`."""
-    cfg = cfg or _config(a, b)
+    cfg = cfg or _config(a, b, outs)
     slice_k = pl.cdiv(pl.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     if cfg.mosaic:
         if jnp.dtype(a.dtype).itemsize != 2:
@@ -107,7 +108,8 @@ def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=
     res = call(_triton_kernel, out_shape=shapes, grid=(pl.cdiv(m, cfg.tile_m) * pl.cdiv(n, cfg.tile_n), slices),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                input_output_aliases={2 + i: i for i in range(len(given))}, m=m, n=n, k=k, slice_k=slice_k,
-               a_t=a_t, mode=mode, first=first, precision=precision, cfg=cfg)(a, b, *given)
+               a_t=a_t, mode=mode, first=first, precision=precision, cfg=cfg,
+               asm=not interpret_mode())(a, b, *given)
     return res if len(res) > 1 else res[0]
 
 
@@ -137,11 +139,12 @@ def dw_gemm(dz, x, dtype, precision=None, cfg=None):
 
 
 def dw_first(dz, x, dtype, precision=None, cfg=None):
-    """The first chunk's accumulator: a (hi, lo) pair for a bfloat16 weight, else float32."""
+    """The first chunk's accumulator: a (hi bfloat16, lo int8) pair for a bfloat16 weight, else float32."""
     if dtype != jnp.bfloat16:
         return dw_gemm(dz, x, F32, precision, cfg)
-    shape = jax.ShapeDtypeStruct((dz.shape[1], x.shape[1]), dtype)
-    return tuple(_dz_t_x(dz, x, PAIR, [shape, shape], first=True, precision=precision, cfg=cfg))
+    shape = (dz.shape[1], x.shape[1])
+    return tuple(_dz_t_x(dz, x, PAIR, [jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape, jnp.int8)],
+                         first=True, precision=precision, cfg=cfg))
 
 
 def dw_accumulate(dz, x, acc, precision=None, cfg=None):

@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 
 from fce_core.plan import gemm_items, rows_fast
 
+from . import fastmath as fm
 from . import mgpu
 from .grad_gemms import ADD, F32, PAIR, WRITE, tma_rows
 from .launch import typed
@@ -141,11 +142,9 @@ def _epilogue(acc, dst, smem, ready, mode, first):
         smem[0][...] = acc.astype(smem[0].dtype)
     elif mode == ADD:
         smem[0][...] = smem[0][...] + acc
-    else:
-        total = acc if first else (smem[0][...].astype(F32) + smem[1][...].astype(F32)) + acc
-        hi = total.astype(smem[0].dtype)
-        smem[0][...] = hi
-        smem[1][...] = (total - hi.astype(F32)).astype(smem[1].dtype)
+    else:  # plain operations: every product of the pair's arithmetic is exact, so contraction cannot move bits
+        total = acc if first else fm.pair_value(smem[0][...], smem[1][...], asm=False) + acc
+        smem[0][...], smem[1][...] = fm.pair_split(total, smem[0].dtype, asm=False)
     plgpu.commit_smem()
     for d, s_ in zip(dst, smem):
         plgpu.copy_smem_to_gmem(s_, d)

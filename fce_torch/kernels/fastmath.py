@@ -19,6 +19,11 @@ _TANH_BELOW = tl.constexpr(config.TANH_POLY_BELOW)
 _TANH_C3 = tl.constexpr(config.TANH_C3)
 _TANH_C5 = tl.constexpr(config.TANH_C5)
 _TANH_C7 = tl.constexpr(config.TANH_C7)
+_PAIR_UP = tl.constexpr(config.PAIR_SCALE + 127)  # the biased exponent of 2**PAIR_SCALE
+_PAIR_DOWN = tl.constexpr(config.PAIR_SCALE - 127)
+_PAIR_MIN_E = tl.constexpr(config.PAIR_MIN_EXPONENT)
+_PAIR_LO_MAX = tl.constexpr(float(config.PAIR_LO_MAX))
+_PAIR_ROUND = tl.constexpr(config.PAIR_ROUND)
 
 
 @triton.jit
@@ -105,6 +110,36 @@ def to_dtype(x, dtype: tl.constexpr, ASM: tl.constexpr):
         u = u + 0x7FFF + ((u >> 16) & 1)
         x = ((u >> 16) << 16).to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def _pair_exponent(hf):
+    """hi's biased float32 exponent clamped to [PAIR_MIN_EXPONENT, 254], and whether it was in that range."""
+    e = (hf.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(tl.maximum(e, _PAIR_MIN_E), 254), (e >= _PAIR_MIN_E) & (e < 255)
+
+
+@triton.jit
+def pair_split(s, HI_DT: tl.constexpr, ASM: tl.constexpr):
+    """The (hi, lo) pair of float32 s (fce_core.config, PAIR_*): hi = rne(s) in HI_DT, lo = rne((s - hi) in
+    units of 2**-8 ulps of hi) as int8, clipped to +-127. Every product is exact (powers of two); the one
+    rounding is fma's add of PAIR_ROUND."""
+    hi = to_dtype(s, HI_DT, ASM)
+    hf = hi.to(tl.float32)
+    e, finite = _pair_exponent(hf)
+    up = ((-e + _PAIR_UP) << 23).to(tl.float32, bitcast=True)  # 2**(PAIR_SCALE - E)
+    q = fma(mul(s - hf, up, ASM), 1.0, _PAIR_ROUND, ASM) - _PAIR_ROUND
+    q = tl.minimum(tl.maximum(q, -_PAIR_LO_MAX), _PAIR_LO_MAX)
+    return hi, tl.where(finite, q, 0.0).to(tl.int8)
+
+
+@triton.jit
+def pair_value(hi, lo, ASM: tl.constexpr):
+    """hi + lo of a `pair_split` pair in float32 (exact: 16 significant bits at most)."""
+    hf = hi.to(tl.float32)
+    e, _ = _pair_exponent(hf)
+    down = ((e - _PAIR_DOWN) << 23).to(tl.float32, bitcast=True)  # 2**(E - PAIR_SCALE)
+    return fma(lo.to(tl.float32), down, hf, ASM)
 
 
 @triton.jit

@@ -1,10 +1,12 @@
 """The fused engine's gradient GEMMs, in Triton: dX = dZ W and dW (+)= dZᵀ X with float32 accumulation, K
 ascending and never split, so both twins give the same bits whatever the tiles (docs/NUMERICS.md, "The
 fused engine"). dW over several chunks is accumulated either in float32 or, for a bfloat16 weight, as a pair
-of bfloat16 arrays (hi, lo) with hi + lo the running sum: hi = rne(s), lo = rne(s - hi) after each chunk's
-s = (hi + lo) + dZᵀ X. hi is then the rounded result, so no float32 [V, H] buffer and no final conversion
-exist (the pair has about 16 significant bits: each step adds at most 2**-18 relative error, far below the
-final rounding). Twin: fce_jax/kernels/grad_gemms.py.
+(hi, lo) of a bfloat16 [V, H] and an int8 [V, H] array (`fastmath.pair_split`): hi = rne(s), lo the rounded count
+of 2**-8 ulps of hi in s - hi, after each chunk's s = (hi + lo) + dZᵀ X. hi is then the rounded result, so no
+float32 [V, H] buffer and no final conversion exist, and the pair costs 3 bytes per weight element where float32
+costs 4: each chunk reads and writes less, and the planner gives the byte it saves to larger chunks
+(`fce_core.plan.fused_rows`). Each step adds at most 2**-15 relative error (hi's ulp / 256, where lo is
+clipped), far below the final rounding. Twin: fce_jax/kernels/grad_gemms.py.
 """
 import torch
 import triton
@@ -53,7 +55,7 @@ def _c_store(c_ptr, plane, r0, c0, v, s_cm, M, N, DESC: tl.constexpr, PLANES: tl
 
 @triton.jit
 def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr, FIRST: tl.constexpr,
-              C_DT: tl.constexpr, LO_DT: tl.constexpr, DESC: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
+              C_DT: tl.constexpr, DESC: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
     """C's block at (r0, c0) from the float32 product `acc`: WRITE, ADD or the (hi, lo) PAIR update."""
     BM: tl.constexpr = acc.shape[0]
     BN: tl.constexpr = acc.shape[1]
@@ -65,18 +67,18 @@ def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr,
     else:
         s = acc
         if not FIRST:
-            s = (_c_load(c_ptr, r0, c0, s_cm, M, N, BM, BN, DESC).to(tl.float32)
-                 + _c_load(lo_ptr, r0, c0, s_cm, M, N, BM, BN, DESC).to(tl.float32)) + acc
-        hi = fm.to_dtype(s, C_DT, ASM)
+            s = fm.pair_value(_c_load(c_ptr, r0, c0, s_cm, M, N, BM, BN, DESC),
+                              _c_load(lo_ptr, r0, c0, s_cm, M, N, BM, BN, DESC), ASM) + acc
+        hi, lo = fm.pair_split(s, C_DT, ASM)
         _c_store(c_ptr, plane, r0, c0, hi, s_cm, M, N, DESC, False)
-        _c_store(lo_ptr, plane, r0, c0, fm.to_dtype(s - hi.to(tl.float32), LO_DT, ASM), s_cm, M, N, DESC, False)
+        _c_store(lo_ptr, plane, r0, c0, lo, s_cm, M, N, DESC, False)
 
 
 @triton.jit
 def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
                  MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
-                 C_DESC: tl.constexpr, C_DT: tl.constexpr, LO_DT: tl.constexpr, PLANES: tl.constexpr,
+                 C_DESC: tl.constexpr, C_DT: tl.constexpr, PLANES: tl.constexpr,
                  ROWS_FAST: tl.constexpr, FLATTEN: tl.constexpr, SLICED: tl.constexpr,
                  ASM: tl.constexpr):
     # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]; c_ptr / lo_ptr
@@ -124,9 +126,9 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N
             acc += fm.dot(a, b, PRECISION, ASM)
         plane = pid // n_out
         left, right = column_halves(acc)
-        _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC, PLANES, ASM)
-        _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, LO_DT, C_DESC,
-                  PLANES, ASM)
+        _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES, ASM)
+        _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES,
+                  ASM)
 
 
 def _config():
@@ -174,7 +176,6 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
         aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], n, m, n, k, slice_k, slices, MODE=mode,
         FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
         TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
-        LO_DT=ELEMENT_TYPES[(c if lo is None else lo).dtype],
         PLANES=c.dim() == 3, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
         FLATTEN=flattened(cfg, mode), SLICED=slices > 1, ASM=fm.ASM, num_warps=cfg.num_warps,
         num_stages=stages(cfg, a.element_size()))
@@ -223,10 +224,10 @@ def dw_accumulate(dz, x, acc, precision="ieee", cfg=None):
 
 
 def dw_first(dz, x, dtype, precision="ieee", cfg=None):
-    """The first chunk's accumulator: a (hi, lo) pair for a bfloat16 weight, else float32."""
+    """The first chunk's accumulator: a (hi bfloat16, lo int8) pair for a bfloat16 weight, else float32."""
     if dtype != torch.bfloat16:
         return dw_gemm(dz, x, F32, precision, cfg)
     hi = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
-    lo = torch.empty_like(hi)
+    lo = torch.empty(hi.shape, device=x.device, dtype=torch.int8)
     _dz_t_x(dz, x, hi, lo, PAIR, first=True, precision=precision, cfg=cfg)
     return hi, lo

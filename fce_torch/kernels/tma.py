@@ -27,10 +27,12 @@ def tma_ready(*arrays):
 
 
 def descriptors(arrays_blocks, cfg):
-    """A descriptor per (array, block shape) when the config asks for TMA and every array allows it, else the
-    arrays themselves (the kernels then use masked pointer loads); and whether they are descriptors."""
+    """A descriptor per (array, block shape) when the config asks for TMA and every array and block allows it
+    (a block's rows of 16 bytes at least: an int8 lo plane's on the interpreter's narrow tiles are not), else
+    the arrays themselves (the kernels then use masked pointer loads); and whether they are descriptors."""
     arrays = [a for a, _ in arrays_blocks]
-    if not (cfg.tma and tma_ready(*arrays)):
+    wide = all(block[-1] * a.element_size() >= 16 for a, block in arrays_blocks)
+    if not (cfg.tma and wide and tma_ready(*arrays)):
         return arrays, False
     return [TensorDescriptor.from_tensor(a, list(block)) for a, block in arrays_blocks], True
 
