@@ -6,9 +6,8 @@ no inline assembly: there (`asm=False`) the same formulas run with plain operati
 """
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as pltriton
-
 from jax import lax
+from jax.experimental.pallas import triton as pltriton
 
 from fce_core.config import (LN2, LOG2E, PAIR_LO_MAX, PAIR_MIN_EXPONENT, PAIR_ROUND, PAIR_SCALE, TANH_C3, TANH_C5,
                              TANH_C7, TANH_POLY_BELOW)
