@@ -704,8 +704,7 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
     multiple of tile_n), chunks of 20 and 17 rows (dW's K)."""
     import jax.numpy as jnp
 
-    from fce_core.config import (GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC_INTERPRETER,
-                                 GRAD_GEMM_MOSAIC_PINGPONG_INTERPRETER)
+    from fce_core.config import GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC_INTERPRETER
     from fce_core.plan import dx_slices
     from fce_jax.kernels import grad_gemms as jg
     from fce_torch.kernels import grad_gemms as tg
@@ -737,8 +736,6 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
     acc = tg.dw_accumulate(dz[20:], x[20:], tg.dw_first(dz[:20], x[:20], dt))
     wide = dataclasses.replace(GRAD_GEMM_MOSAIC_INTERPRETER, tile_n=256)  # 4 loaded blocks: slots refilled
     runs = {"jax mosaic": jax_run(GRAD_GEMM_MOSAIC_INTERPRETER), "jax mosaic wide": jax_run(wide),
-            "jax mosaic ping-pong": jax_run(GRAD_GEMM_MOSAIC_PINGPONG_INTERPRETER),
-            "jax mosaic ring": jax_run(dataclasses.replace(GRAD_GEMM_MOSAIC_INTERPRETER, ring=True, num_stages=3)),
             "jax triton": jax_run(GRAD_GEMM_INTERPRETER),
             "torch": {"dx": tg.dx_gemm(dz, w, torch.empty(n, hidden, dtype=dt)),
                       "dx_one_slice": tg.dx_gemm(dz[:, :200].contiguous(), w[:200],

@@ -21,7 +21,7 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from fce_core.config import GEMM, GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_PINGPONG, GRAD_GEMM_TORCH
+from fce_core.config import GEMM, GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_TORCH
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_core.plan import fused_rows
@@ -36,20 +36,14 @@ VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
     dict(tma=True, num_stages=4), dict(num_stages=4))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
     {}, dict(flatten=False), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=False))]
-# the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, and 128x256): the
-# ring kernel (cooperative on 256x128 and 128x256, ping-pong on 128x128 per warpgroup), the pipeline-per-tile
-# kernel in clusters of two along N and along M
-JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, ring=True),
-                     dataclasses.replace(GRAD_GEMM_MOSAIC, ring=True, tile_m=128, tile_n=256),
-                     GRAD_GEMM_MOSAIC_PINGPONG, dataclasses.replace(GRAD_GEMM_MOSAIC, cluster="n"),
-                     dataclasses.replace(GRAD_GEMM_MOSAIC, cluster="m")]
+# the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, and 128x256)
+JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256)]
 
 
 def _tag(cfg):
     return (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
             + " tma" * cfg.tma + " persistent" * cfg.persistent + " flatten" * cfg.flatten
-            + " mosaic" * getattr(cfg, "mosaic", False) + " ping-pong" * getattr(cfg, "pingpong", False)
-            + " ring" * getattr(cfg, "ring", False) + "".join(f" cluster {c}" for c in getattr(cfg, "cluster", "")))
+            + " mosaic" * getattr(cfg, "mosaic", False))
 
 
 def grad_rows(n, h, v):
