@@ -117,15 +117,6 @@ class GradGemmConfig:
     persistent: bool = False
     flatten: bool = False  # as GemmConfig's (fce_torch), where K is not sliced and C is not added to
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
-    # (mosaic) The operands' ring runs on across the tiles, each slot released when the wgmma reading it is
-    # done, one wgmma in flight (grad_gemms_mgpu._ring_kernel), instead of a pipeline per tile
-    ring: bool = False
-    # (ring) Each compute warpgroup on whole tiles, the two in turn, one's epilogue under the other's wgmma,
-    # instead of both on half of each tile
-    pingpong: bool = False
-    # (mosaic, not ring) Blocks in clusters of two on adjacent tiles along "m" (sharing B's loads, which
-    # TMA multicasts to both) or "n" (sharing A's); "" none
-    cluster: str = ""
 
 
 @dataclass(frozen=True)
@@ -178,10 +169,6 @@ GRAD_GEMM_TORCH_TALL = dataclasses.replace(GRAD_GEMM_TORCH, tile_m=256, tile_n=1
 # fce_torch's.
 GRAD_GEMM_MOSAIC = dataclasses.replace(GRAD_GEMM, tile_m=256, tile_n=128, num_stages=3, tma=True, persistent=True,
                                        mosaic=True)
-# The same GEMMs in ping-pong (GradGemmConfig.pingpong): a warpgroup's whole tile is 128x128 (its float32
-# accumulator 128 registers per thread), the ring as deep as shared memory allows next to the epilogue's slots.
-GRAD_GEMM_MOSAIC_PINGPONG = dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=128, num_stages=6,
-                                                ring=True, pingpong=True)
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)
 # Other launch tiles than the JAX twin's in the CPU tests too: the twins' bits must not depend on them.
@@ -189,9 +176,6 @@ GRAD_GEMM_INTERPRETER_TORCH = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_n=
 # Mosaic GPU's smallest wgmma tile has 64 rows per warpgroup.
 GRAD_GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_m=128, tile_n=32, tma=True,
                                                    persistent=True, mosaic=True)
-# Ping-pong: a warpgroup's whole tile is 64 rows; 3 slots, so that the ring wraps within and across items.
-GRAD_GEMM_MOSAIC_PINGPONG_INTERPRETER = dataclasses.replace(GRAD_GEMM_MOSAIC_INTERPRETER, tile_m=64, num_stages=3,
-                                                            ring=True, pingpong=True)
 TILE_ROWS = BlockConfig(block=16)  # rows per program of the tiled dlogits and merge kernels (speed only)
 # fce_torch's host check of the values: one program over every target and class weight (speed only).
 VALUE_FLAGS = BlockConfig(block=4096, num_warps=8)

@@ -5,14 +5,13 @@ first on the GPU. The PTX that XLA then compiles on the GPU is not built here, a
 machine's jax (0.10.2; the H200 has 0.11.2). The CPU tests of the same kernels' values are in
 test_fused_engine.py (interpret mode)."""
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
 
-from fce_core.config import GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_PINGPONG
+from fce_core.config import GRAD_GEMM_MOSAIC
 from fce_core.plan import dx_slices
 from fce_jax.kernels import grad_gemms, mgpu
 
@@ -32,34 +31,27 @@ def _mosaic_calls(fn, *args):
     return export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module().count("custom_call @mosaic_gpu")
 
 
-CASES = {  # name: (function of the launch config and the operands, operand shapes and dtypes)
-    "dx sliced 512x640x262144": (lambda cfg, dz, w: grad_gemms.dx_gemm(dz, w, BF16, cfg=cfg),
+CASES = {  # name: (function of the operands, operand shapes and dtypes)
+    "dx sliced 512x640x262144": (lambda dz, w: grad_gemms.dx_gemm(dz, w, BF16, cfg=GRAD_GEMM_MOSAIC),
                                  [((512, 262144), BF16), ((262144, 640), BF16)]),
-    "dx 4096x4096x128256": (lambda cfg, dz, w: grad_gemms.dx_gemm(dz, w, BF16, cfg=cfg),
+    "dx 4096x4096x128256": (lambda dz, w: grad_gemms.dx_gemm(dz, w, BF16, cfg=GRAD_GEMM_MOSAIC),
                             [((4096, 128256), BF16), ((128256, 4096), BF16)]),
-    "dw written": (lambda cfg, dz, x: grad_gemms.dw_gemm(dz, x, BF16, cfg=cfg),
+    "dw written": (lambda dz, x: grad_gemms.dw_gemm(dz, x, BF16, cfg=GRAD_GEMM_MOSAIC),
                    [((512, 262144), BF16), ((512, 640), BF16)]),
-    "(hi, lo) first": (lambda cfg, dz, x: grad_gemms.dw_first(dz, x, BF16, cfg=cfg),
+    "(hi, lo) first": (lambda dz, x: grad_gemms.dw_first(dz, x, BF16, cfg=GRAD_GEMM_MOSAIC),
                        [((768, 151936), BF16), ((768, 896), BF16)]),
-    "(hi, lo) accumulated": (lambda cfg, dz, x, hi, lo: grad_gemms.dw_accumulate(dz, x, (hi, lo), cfg=cfg),
+    "(hi, lo) accumulated": (lambda dz, x, hi, lo: grad_gemms.dw_accumulate(dz, x, (hi, lo), cfg=GRAD_GEMM_MOSAIC),
                              [((1024, 128256), BF16), ((1024, 4096), BF16), ((128256, 4096), BF16),
                               ((128256, 4096), jnp.int8)]),
-    "float32 accumulated": (lambda cfg, dz, x, acc: grad_gemms.dw_accumulate(dz, x, acc, cfg=cfg),
+    "float32 accumulated": (lambda dz, x, acc: grad_gemms.dw_accumulate(dz, x, acc, cfg=GRAD_GEMM_MOSAIC),
                             [((512, 262144), F16), ((512, 640), F16), ((262144, 640), jnp.float32)]),
 }
-LAUNCHES = {"cooperative": GRAD_GEMM_MOSAIC, "ping-pong": GRAD_GEMM_MOSAIC_PINGPONG,
-            "ring": dataclasses.replace(GRAD_GEMM_MOSAIC, ring=True),
-            "cluster n": dataclasses.replace(GRAD_GEMM_MOSAIC, cluster="n"),
-            "cluster m": dataclasses.replace(GRAD_GEMM_MOSAIC, cluster="m"),
-            "ping-pong cluster n": dataclasses.replace(GRAD_GEMM_MOSAIC_PINGPONG, cluster="n"),
-            "ping-pong cluster m": dataclasses.replace(GRAD_GEMM_MOSAIC_PINGPONG, cluster="m")}
 
 
-@pytest.mark.parametrize("launch", list(LAUNCHES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_mosaic_gemms_lower_for_cuda(gpu_launch, name, launch):
+def test_mosaic_gemms_lower_for_cuda(gpu_launch, name):
     fn, shapes = CASES[name]
-    assert _mosaic_calls(functools.partial(fn, LAUNCHES[launch]), *(S(shape, dtype) for shape, dtype in shapes)) == 1
+    assert _mosaic_calls(fn, *(S(shape, dtype) for shape, dtype in shapes)) == 1
 
 
 def test_the_sliced_case_takes_the_planes_path():

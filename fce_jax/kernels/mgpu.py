@@ -34,10 +34,9 @@ def _cores():
     return jax.devices()[0].core_count
 
 
-def programs(items, cluster=1):
-    """Persistent programs (clusters of `cluster` blocks) for `items` work items: at most one block per
-    streaming multiprocessor."""
-    return max(1, min(items, (INTERPRETER_PROGRAMS if interpret_mode() else _cores()) // cluster))
+def programs(items):
+    """Persistent programs for `items` work items: at most one per streaming multiprocessor."""
+    return max(1, min(items, INTERPRETER_PROGRAMS if interpret_mode() else _cores()))
 
 
 def transforms(block_minor, dtype):
@@ -51,10 +50,9 @@ def stages(cfg, per_stage_bytes, fixed_bytes):
     return max(1, min(cfg.num_stages, (SHARED_BYTES - fixed_bytes) // per_stage_bytes))
 
 
-def kernel(body, *, out_type, programs, compute_threads, cluster=1):
-    """A Mosaic GPU kernel of `programs` clusters named "sm" of `cluster` blocks (named "cluster" when more
-    than one), each block of `compute_threads` compute warpgroups and one memory warpgroup named "wg".
-    Operands that are `jax.Ref`s are updated in place."""
+def kernel(body, *, out_type, programs, compute_threads):
+    """A Mosaic GPU kernel of `programs` blocks named "sm", each of `compute_threads` compute warpgroups and
+    one memory warpgroup named "wg". Operands that are `jax.Ref`s are updated in place."""
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     interpret = False
     if interpret_mode():
@@ -63,9 +61,7 @@ def kernel(body, *, out_type, programs, compute_threads, cluster=1):
         _wgmma_reads_transposes()
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
-    clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
-    mesh = plgpu.Mesh(grid=(programs,), grid_names=("sm",), num_threads=compute_threads + 1, thread_name="wg",
-                      **clusters)
+    mesh = plgpu.Mesh(grid=(programs,), grid_names=("sm",), num_threads=compute_threads + 1, thread_name="wg")
     return pl.kernel(body, out_type=out_type, mesh=mesh, compiler_params=params, interpret=interpret)
 
 
