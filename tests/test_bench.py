@@ -168,3 +168,26 @@ def test_cpo_smoke(bench):
     by = {(r["B"], r["impl"]): r for r in result["rows"]}
     assert by[(1, "liger")]["dloss"] < 1e-3  # Liger's CPO equals TRL's on the same inputs
     assert (out / "cpo.md").exists() and (out / "cpo_time.png").exists()
+
+
+def test_trace_gaps_sums_the_device_idle_time(tmp_path):
+    """tools/trace_gaps.py on a made-up trace of one step: busy time, span, and the idle gaps by neighbours
+    (gaps under MIN_GAP_US and host events left out)."""
+    import gzip
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import trace_gaps
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    events = [dict(ph="X", cat="kernel", name="gemm", ts=0, dur=100),
+              dict(ph="X", cat="cpu_op", name="aten::mm", ts=50, dur=500),  # host: not device time
+              dict(ph="X", cat="gpu_memcpy", name="Memcpy DtoH", ts=103, dur=10),  # 3 us after: no gap
+              dict(ph="X", cat="kernel", name="gemm", ts=313, dur=100)]  # 200 us idle after the copy
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    text = trace_gaps.report(str(path), steps=1)
+    assert "busy 0.21 ms per step of a 0.41 ms span, idle 0.20 ms" in text, text
+    assert "0.200  Memcpy DtoH -> gemm" in text and "0.003" not in text, text
+    assert "0.200  gemm\n" in text, text
