@@ -7,6 +7,7 @@ from fce_core.sweeps import flce_setup, totals
 from . import arrays
 from .engine import sweep
 from .kernels.flce_head import flce_head
+from .kernels.grad_gemms import accumulates_pair
 from .kernels.grad_scale import as_grad
 from .vocab_parallel import comm_for
 
@@ -19,7 +20,7 @@ def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False)
     ignored rows (lse too, whether their chunk ran or was skipped). With `comm` (vocab parallel), w, bias and
     class_weights are this device's shard."""
     head, inputs, plan = flce_setup(arrays, flce_head, x.shape, x.dtype.itemsize, w.shape[0], y, class_weights, opt,
-                                    need_grads=any(grads), dw_pair=x.dtype == jnp.bfloat16,
+                                    need_grads=any(grads), dw_pair=accumulates_pair(w.dtype),
                                     normalizer=normalizer, g=g, g_lse=g_lse, comm=comm)
     rows, dx, dw, db = sweep(x, w, bias, class_weights, head, inputs, plan, grads=grads,
                              transform=opt.transform, ignore_index=opt.ignore_index, comm=comm, trace=trace,

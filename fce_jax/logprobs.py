@@ -16,6 +16,7 @@ from .autodiff import recompute
 from .checks import check_tensors, check_values, check_vocab_shard
 from . import arrays
 from .engine import sweep
+from .kernels.grad_gemms import accumulates_pair
 from .kernels.grad_scale import as_grad
 from .kernels.logprob_head import logprob_head
 from .vocab_parallel import comm_for
@@ -28,7 +29,7 @@ def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), 
     cotangents are all zero take no part (they count as ignored). `comm`: vocab parallel (w, bias: a shard)."""
     head, inputs, plan = logprob_setup(arrays, logprob_head, x.shape, x.dtype.itemsize, w.shape[0], y, opt,
                                        entropy=entropy, need_grads=any(grads),
-                                       dw_pair=x.dtype == jnp.bfloat16, g=g, h=h, comm=comm)
+                                       dw_pair=accumulates_pair(w.dtype), g=g, h=h, comm=comm)
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,
                  ignore_index=opt.ignore_index, comm=comm, engine=opt.engine)
 

@@ -13,6 +13,7 @@ from . import arrays
 from .checks import check_values
 from .engine import sweep
 from .kernels.flce_head import flce_head
+from .kernels.grad_gemms import accumulates_pair
 from .kernels.grad_scale import kept_weight_grad, kept_weight_grad_dtype
 from .vocab_parallel import comm_for
 
@@ -28,7 +29,7 @@ def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False)
     ignored rows (lse too, whether their chunk ran or was skipped). With `comm` (vocab parallel), w, bias and
     class_weights are this rank's shard."""
     head, inputs, plan = flce_setup(arrays, flce_head, x.shape, x.element_size(), w.shape[0], y, class_weights, opt,
-                                    need_grads=any(grads), dw_pair=x.dtype == torch.bfloat16,
+                                    need_grads=any(grads), dw_pair=accumulates_pair(w.dtype),
                                     normalizer=normalizer, g=g, g_lse=g_lse, comm=comm, n_valid=valid_rows)
     rows, dx, dw, db = sweep(x, w, bias, class_weights, head, inputs, plan, grads=grads,
                              transform=opt.transform, ignore_index=opt.ignore_index, valid_rows=valid_rows,
@@ -86,7 +87,7 @@ def _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm, needs):
 def _(x, w, bias, y, class_weights, normalizer, ignore_index, reduction, label_smoothing, z_loss, softcap,
       token_scaling, chunk_rows, engine, validate, vp_group, vp_offsets, needs):
     plan = plan_rows(x.shape[0], x.shape[1], w.shape[0], x.element_size(), need_grads=any(needs),
-                     requested=chunk_rows, engine=engine, dw_pair=x.dtype == torch.bfloat16)
+                     requested=chunk_rows, engine=engine, dw_pair=accumulates_pair(w.dtype))
     dw_dtype = kept_weight_grad_dtype(plan, w.dtype)
     return (*_row_outputs(x, reduction), x.new_empty(x.shape) if needs[0] else absent(x),
             w.new_empty(w.shape, dtype=dw_dtype) if needs[1] else absent(x),

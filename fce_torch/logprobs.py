@@ -17,6 +17,7 @@ from .autodiff import absent, finish_grads, grads_fake, register_recompute
 from .checks import check_tensors, check_values
 from . import arrays
 from .engine import sweep
+from .kernels.grad_gemms import accumulates_pair
 from .kernels.logprob_head import logprob_head
 from .vocab_parallel import comm_for, resolve
 
@@ -30,7 +31,7 @@ def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), 
     cotangents are all zero take no part (they count as ignored). `comm`: vocab parallel (w, bias: a shard)."""
     head, inputs, plan = logprob_setup(arrays, logprob_head, x.shape, x.element_size(), w.shape[0], y, opt,
                                        entropy=entropy, need_grads=any(grads),
-                                       dw_pair=x.dtype == torch.bfloat16, g=g, h=h, comm=comm)
+                                       dw_pair=accumulates_pair(w.dtype), g=g, h=h, comm=comm)
     vocab = w.shape[0] if comm is None else comm.vocab
     valid_rows = check_values(inputs["y"], vocab, opt.ignore_index) if validate else None
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,

@@ -138,9 +138,15 @@ def dw_gemm(dz, x, dtype, precision=None, cfg=None):
                    cfg=cfg)
 
 
+def accumulates_pair(dtype):
+    """Whether dW of a weight of `dtype` is accumulated as a (hi, lo) pair (`dw_first`), which the fused plan
+    budgets for (`fce_core.plan.fused_rows`, dw_pair)."""
+    return dtype == jnp.bfloat16
+
+
 def dw_first(dz, x, dtype, precision=None, cfg=None):
     """The first chunk's accumulator: a (hi bfloat16, lo int8) pair for a bfloat16 weight, else float32."""
-    if dtype != jnp.bfloat16:
+    if not accumulates_pair(dtype):
         return dw_gemm(dz, x, F32, precision, cfg)
     shape = (dz.shape[1], x.shape[1])
     return tuple(_dz_t_x(dz, x, PAIR, [jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape, jnp.int8)],

@@ -223,9 +223,15 @@ def dw_accumulate(dz, x, acc, precision="ieee", cfg=None):
     return acc
 
 
+def accumulates_pair(dtype):
+    """Whether dW of a weight of `dtype` is accumulated as a (hi, lo) pair (`dw_first`), which the fused plan
+    budgets for (`fce_core.plan.fused_rows`, dw_pair)."""
+    return dtype == torch.bfloat16
+
+
 def dw_first(dz, x, dtype, precision="ieee", cfg=None):
     """The first chunk's accumulator: a (hi bfloat16, lo int8) pair for a bfloat16 weight, else float32."""
-    if dtype != torch.bfloat16:
+    if not accumulates_pair(dtype):
         return dw_gemm(dz, x, F32, precision, cfg)
     hi = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
     lo = torch.empty(hi.shape, device=x.device, dtype=torch.int8)
