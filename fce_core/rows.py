@@ -26,14 +26,14 @@ def target_logits(xp, z, y, bias):
     return r_y if bias is None else r_y + xp.f32(bias[safe])
 
 
-def reduction_scalars(xp, y, class_weights, ignore_index, vocab, normalizer=None, n_valid=None):
+def reduction_scalars(xp, y, class_weights, ignore_index, vocab, normalizer=None, counts=None):
     """(float32 [D, n, W_sum], w_y [N] or None): class-weighted and plain counts of the valid rows (or the
     caller's `normalizer`, a [2] float32 array (D, n)), the sum of class weights, and each row's target
-    class weight. `n_valid`: the host's count of the valid rows where it has one (fce_torch's value check):
-    without class weights or normalizer the scalars are then host numbers, one copy instead of six small
-    ops (the same float32 values: the count rounded to nearest either way)."""
-    if n_valid is not None and class_weights is None and normalizer is None:
-        return xp.host_f32([n_valid, n_valid, vocab], y), None
+    class weight. `counts`: float32 [n, n, vocab] where the twin's value check computed them on the device
+    (fce_torch's, `kernels/value_flags.py`: one launch it makes anyway, instead of six small ops; the same
+    float32 values, the count rounded to nearest either way); used without class weights or normalizer."""
+    if counts is not None and class_weights is None and normalizer is None:
+        return counts, None
     valid = y != ignore_index
     n = xp.f32(xp.count(valid))
     if class_weights is None:

@@ -7,14 +7,14 @@ from .rows import reduction_scalars
 
 
 def flce_setup(xp, kernel, x_shape, itemsize, w_rows, y, class_weights, opt, *, need_grads, dw_pair,
-               normalizer=None, g=None, g_lse=None, comm=None, n_valid=None):
+               normalizer=None, g=None, g_lse=None, comm=None, counts=None):
     """(head, per-row inputs, plan) of an FLCE sweep of x `x_shape` over `w_rows` weight rows (a shard's with
     `comm`, whose class weights are made whole for the reduction scalars); g / g_lse: the rows' cotangents
-    of the loss and of lse, where given; n_valid: the host's count of valid rows, where known; dw_pair: a
-    bfloat16 weight (`fce_core.plan.fused_rows`)."""
+    of the loss and of lse, where given; counts: the value check's float32 [n, n, vocab], where it made them
+    (`reduction_scalars`); dw_pair: a bfloat16 weight (`fce_core.plan.fused_rows`)."""
     vocab = w_rows if comm is None else comm.vocab
     all_weights = class_weights if comm is None or class_weights is None else comm.full_vector(class_weights)
-    scalars, w_y = reduction_scalars(xp, y, all_weights, opt.ignore_index, vocab, normalizer, n_valid)
+    scalars, w_y = reduction_scalars(xp, y, all_weights, opt.ignore_index, vocab, normalizer, counts)
     inputs = {"y": y, **{k: t for k, t in (("w_y", w_y), ("g", g), ("g_lse", g_lse)) if t is not None}}
     plan = plan_rows(x_shape[0], x_shape[1], w_rows, itemsize, need_grads=need_grads, requested=opt.chunk_rows,
                      engine=opt.engine, dw_pair=dw_pair)

@@ -35,7 +35,3 @@ def take_rows(z, idx):
 
 def pad_to(v, n):
     return jnp.pad(v, (0, n - v.shape[0]))
-
-
-def host_f32(values, like):
-    return jnp.asarray(values, jnp.float32)

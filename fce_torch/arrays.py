@@ -32,8 +32,3 @@ def take_rows(z, idx):
 
 def pad_to(v, n):
     return torch.nn.functional.pad(v, (0, n - v.shape[0]))
-
-
-def host_f32(values, like):
-    # From pinned memory without blocking: a pageable copy would wait for the device's queue.
-    return torch.tensor(values, dtype=torch.float32, pin_memory=like.is_cuda).to(like.device, non_blocking=True)

@@ -17,7 +17,7 @@ from fce_core.plan import pair_order, plan_pairs
 
 from .api import prepare, requires_grad
 from .autodiff import absent, register_precomputed
-from .checks import check_tensors, check_values, describe
+from .checks import check_tensors, ValueCheck, describe
 from .engine import Head, sweep
 from .kernels import cpo_pairs
 from .kernels.fastmath import ASM
@@ -62,7 +62,7 @@ def _cpo(x, w, bias, y, opt, validate, comm, needs):
     """(loss, chosen/rejected logps and rewards, nll, dx, dw, db) of x [2B * T, H]."""
     vocab = w.shape[0] if comm is None else comm.vocab
     n_pairs, seq_len = y.shape[0] // (2 * opt.seq_len), opt.seq_len
-    valid_rows = check_values(y, vocab, opt.ignore_index) if validate else None
+    check = ValueCheck(y, vocab, opt.ignore_index) if validate else None
     n_chosen = (y[:n_pairs * seq_len] != opt.ignore_index).sum().to(F32)
     scalars = torch.stack([torch.full_like(n_chosen, float(n_pairs)), n_chosen,
                            torch.full_like(n_chosen, float(vocab))])
@@ -76,7 +76,7 @@ def _cpo(x, w, bias, y, opt, validate, comm, needs):
     finish = lambda outputs, inputs: _finish_pairs(outputs, inputs, opt=opt, scalars=scalars)  # noqa: E731
     out, dx, dw, db = sweep(x, w, bias, None, _token_head(opt.ignore_index, scalars, vocab), {"y": y}, plan,
                             grads=tuple(needs), transform=FlceOptions().transform, ignore_index=opt.ignore_index,
-                            valid_rows=valid_rows, finish=finish, comm=comm, engine=opt.engine)
+                            valid_rows=check, finish=finish, comm=comm, engine=opt.engine)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
         dx = None if dx is None else _unpermute(dx, order, seqs)

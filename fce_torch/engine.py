@@ -57,16 +57,24 @@ class _Grads:
     order[r0:r1] (`rows` gathers them per chunk) and their dX goes back to those rows of dx, so that no permuted
     copy of x or dX exists."""
 
-    def __init__(self, x, w, grads, single, skipping, comm, own=False, order=None):
+    def __init__(self, x, w, grads, single, comm, own=False, order=None):
         self.x, self.w, self.single, self.comm, self.own, self.order = x, w, single, comm, own, order
         self.need_dx, self.need_dw, need_db = grads
-        self.dx = (x.new_zeros if skipping else x.new_empty)(x.shape) if self.need_dx else None
+        self.dx = x.new_empty(x.shape) if self.need_dx else None
         self.dw = None
         self.db = torch.zeros(w.shape[0], device=x.device, dtype=F32) if need_db else None
 
     def rows(self, r0, r1):
         """x's rows [r0, r1) of the sweep's order."""
         return self.x[r0:r1] if self.order is None else self.x.index_select(0, self.order[r0:r1])
+
+    def skip(self, r0):
+        """The sweep's rows from r0 on do not run: their dX rows are 0."""
+        if self.dx is not None:
+            if self.order is None:
+                self.dx[r0:].zero_()
+            else:
+                self.dx.index_fill_(0, self.order[r0:], 0)
 
     def _dx(self, r0, r1, product):
         """dX of rows [r0, r1): product(out) writes dZ W into `out`, dx's rows (a new block put back at the
@@ -124,12 +132,15 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     dw is float32 when accumulated over several chunks or groups, in the weight's dtype otherwise.
 
     Ignored rows (y == ignore_index) are skipped when the plan has one group of several chunks
-    (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`) unless `valid_rows` (the host's
-    count) says that none is ignored, and with that count the full chunks past the last valid row never run;
-    their outputs are 0 (so every head output must be per row), their dX rows too. Without the count every
-    chunk runs: an ignored row's dZ is exactly 0, so the bits are the same either way. With the plan's kept
-    dZ the dX and dW GEMMs run once per group over all its rows (rows that did not run hold zeros), so their
-    shapes, hence their bits, do not depend on the count.
+    (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`) unless `valid_rows` says that none
+    is ignored, and the full chunks past the last valid row never run; their outputs are 0 (so every head
+    output must be per row), their dX rows too. `valid_rows`: the host's count of valid rows (an int), or a
+    `checks.ValueCheck`, which the sweep reads once the first chunk is queued (or, without valid-first, once
+    every chunk is): the first chunk then runs valid-first, and the rest in the caller's order where the
+    count says that no row is ignored (the same rows). Without either every chunk runs: an ignored row's dZ
+    is exactly 0, so the bits are the same either way. With the plan's kept dZ the dX and dW GEMMs run once
+    per group over all its rows (rows that did not run hold zeros), so their shapes, hence their bits, do
+    not depend on the count.
 
     `finish(outputs, inputs)` adds outputs from a whole group's outputs and inputs (in the caller's order);
     its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need
@@ -141,25 +152,38 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     """
     n_rows = x.shape[0]
     keep = plan.keep_dz and any(grads)
+    check = None if valid_rows is None or isinstance(valid_rows, int) else valid_rows
     order, n_run, caller_inputs = None, None, inputs
     if plan.puts_valid_first and valid_rows != n_rows:
         _, order, _ = valid_first(inputs["y"], ignore_index)
         inputs = {k: v[order] for k, v in inputs.items()}
         if keep:  # the GEMMs over the kept dZ take all rows valid-first
             x = x[order]
-        n_run = None if valid_rows is None else plan.chunks_to_run(valid_rows)
+        if check is None and valid_rows is not None:
+            n_run = plan.chunks_to_run(valid_rows)
     groups = plan.groups
-    acc = _Grads(x, w, grads, single=plan.single_product(any(grads)), skipping=n_run is not None and not keep,
-                 comm=comm, own=engine == "fused", order=None if keep else order)
+    acc = _Grads(x, w, grads, single=plan.single_product(any(grads)), comm=comm, own=engine == "fused",
+                 order=None if keep else order)
     run = (_FusedChunkRunner if engine == "fused" else _ChunkRunner)(w, bias, class_weights, head, transform, grads,
                                                                     trace, comm)
     outs = []
     for g0, g1 in groups:
-        chunks = plan.chunks(g1 - g0)[:n_run]
+        chunks = plan.chunks(g1 - g0)
         dz_rows = x.new_empty(g1 - g0, w.shape[0]) if keep else None
-        pieces = [run(acc.rows(g0 + r0, g0 + r1), {k: v[g0 + r0:g0 + r1] for k, v in inputs.items()},
-                      None if keep else (acc, g0 + r0, g0 + r1), None if dz_rows is None else dz_rows[r0:r1])
-                  for r0, r1 in chunks]
+        pieces = []
+        for r0, r1 in chunks:
+            if len(pieces) == n_run:
+                break
+            pieces.append(run(acc.rows(g0 + r0, g0 + r1), {k: v[g0 + r0:g0 + r1] for k, v in inputs.items()},
+                              None if keep else (acc, g0 + r0, g0 + r1), None if dz_rows is None else dz_rows[r0:r1]))
+            if order is not None and check is not None and n_run is None:  # one chunk queued: the count now
+                n_valid = check.valid_rows()
+                n_run = plan.chunks_to_run(n_valid)
+                if n_valid == n_rows:  # valid-first is the caller's order: the rest takes the caller's rows
+                    order, inputs, acc.order = None, caller_inputs, None
+        if len(pieces) < len(chunks) and not keep:
+            acc.skip(g0 + chunks[len(pieces)][0])
+        chunks = chunks[:len(pieces)]
         out = _outputs(pieces, order, n_rows)
         if finish is not None:
             out.update(finish(out, {k: v[g0:g1] for k, v in caller_inputs.items()}))
@@ -170,6 +194,8 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
             acc.add(dz_rows, g0, g1, acc.rows(g0, g1))
             dz_rows = None  # released before the next group allocates its own
         outs.append(out)
+    if check is not None:
+        check.valid_rows()  # read once every chunk is queued, where no chunk needed it
     outputs = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if len(outs) > 1 else outs[0]
     dx = acc.dx if acc.dx is None or not keep else _rows_back(acc.dx, order, n_rows)
     return outputs, dx, acc.weight_grad(), acc.db

@@ -14,7 +14,7 @@ from fce_core.sweeps import logprob_setup
 
 from .api import prepare
 from .autodiff import absent, finish_grads, grads_fake, register_recompute
-from .checks import check_tensors, check_values
+from .checks import check_tensors, ValueCheck
 from . import arrays
 from .engine import sweep
 from .kernels.grad_gemms import accumulates_pair
@@ -33,9 +33,9 @@ def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), 
                                        entropy=entropy, need_grads=any(grads),
                                        dw_pair=accumulates_pair(w.dtype), g=g, h=h, comm=comm)
     vocab = w.shape[0] if comm is None else comm.vocab
-    valid_rows = check_values(inputs["y"], vocab, opt.ignore_index) if validate else None
+    check = ValueCheck(inputs["y"], vocab, opt.ignore_index) if validate else None
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,
-                 ignore_index=opt.ignore_index, valid_rows=valid_rows, comm=comm, engine=opt.engine)
+                 ignore_index=opt.ignore_index, valid_rows=check, comm=comm, engine=opt.engine)
 
 
 def _options(ignore_index, softcap, temperature, chunk_rows, engine):

@@ -723,7 +723,10 @@ def test_pairwise_sum(shape):
 def test_value_flags(dtype, n):
     """fce_torch's host check in one launch (one program looping over blocks, here 64 wide): the flags and the
     count of the torch expression it replaced, on fresh targets in and out of range, ignore_index negative,
-    in range or out, and class weights with one NaN, +inf or -inf anywhere."""
+    in range or out, and class weights with one NaN, +inf or -inf anywhere; beside them the reduction
+    scalars [n, n, V] in float32, as `fce_core.rows.reduction_scalars` computes them by torch ops."""
+    from fce_core.rows import reduction_scalars
+    from fce_torch import arrays
     from fce_core.config import BlockConfig
     from fce_torch.kernels.value_flags import value_flags
     cfg = BlockConfig(block=64)
@@ -734,11 +737,14 @@ def test_value_flags(dtype, n):
         for targets in (y, y.clamp(0, vocab - 1).where(y != ignore, ignore)):
             kept = targets != ignore
             want = [int((kept & ((targets < 0) | (targets >= vocab))).any()), int(kept.sum())]
-            assert value_flags(targets, vocab, ignore, cfg=cfg).tolist() == want
+            flags, scalars = value_flags(targets, vocab, ignore, cfg=cfg)
+            assert flags.tolist() == want
+            by_ops, _ = reduction_scalars(arrays, targets, None, ignore, vocab)
+            assert scalars.dtype == torch.float32 and torch.equal(scalars, by_ops)
     weights = torch.randn(301, generator=gen)
-    assert value_flags(y, 60, -100, weights, cfg).tolist()[2] == 0
+    assert value_flags(y, 60, -100, weights, cfg)[0].tolist()[2] == 0
     for odd in (float("nan"), float("inf"), -float("inf")):
         for at in (0, 150, 300):
             w = weights.clone()
             w[at] = odd
-            assert value_flags(y, 60, -100, w, cfg).tolist()[2] == 1
+            assert value_flags(y, 60, -100, w, cfg)[0].tolist()[2] == 1

@@ -247,23 +247,24 @@ def test_valid_first(n, n_valid):
 
 
 @pytest.mark.parametrize("n,n_valid", [(1, 0), (13, 5), (13, 13)])
-def test_reduction_scalars_of_the_host_count(n, n_valid):
-    """The scalars [D, n, W_sum] from the host's count (fce_torch's value check has it) are the bits of those
-    counted on the device, in both twins. With class weights the count is not used."""
+def test_reduction_scalars_take_the_value_checks(n, n_valid):
+    """The scalars [D, n, W_sum] that fce_torch's value check writes on the device (kernels/value_flags.py)
+    are what `reduction_scalars` returns without class weights and normalizer (the bits of its ops'
+    count: test_kernels.py::test_value_flags); with either, it computes its own."""
     from fce_core.rows import reduction_scalars
-    from fce_jax import arrays as jax_arrays
-    from fce_torch import arrays as torch_arrays
+    from fce_torch import arrays
+    from fce_torch.kernels.value_flags import value_flags
 
     vocab = 50
     y = _targets(n, vocab, n_valid, seed=n)
-    for xp, arr in ((torch_arrays, lambda t: t), (jax_arrays, to_jax)):
-        counted, _ = reduction_scalars(xp, arr(y), None, IGNORE_INDEX, vocab)
-        hosted, w_y = reduction_scalars(xp, arr(y), None, IGNORE_INDEX, vocab, n_valid=n_valid)
-        assert w_y is None and np.asarray(hosted).dtype == np.float32
-        assert np.array_equal(np.asarray(hosted).view(np.uint32), np.asarray(counted).view(np.uint32))
-        cw = arr(torch.rand(vocab))
-        assert np.array_equal(np.asarray(reduction_scalars(xp, arr(y), cw, IGNORE_INDEX, vocab, n_valid=-1)[0]),
-                              np.asarray(reduction_scalars(xp, arr(y), cw, IGNORE_INDEX, vocab)[0]))
+    _, scalars = value_flags(y, vocab, IGNORE_INDEX)
+    taken, w_y = reduction_scalars(arrays, y, None, IGNORE_INDEX, vocab, counts=scalars)
+    assert taken is scalars and w_y is None
+    cw, norm = torch.rand(vocab), torch.tensor([3.0, 2.0])
+    for kw in (dict(class_weights=cw), dict(class_weights=None, normalizer=norm)):
+        a = reduction_scalars(arrays, y, ignore_index=IGNORE_INDEX, vocab=vocab, counts=scalars, **kw)
+        b = reduction_scalars(arrays, y, ignore_index=IGNORE_INDEX, vocab=vocab, **kw)
+        assert torch.equal(a[0], b[0]) and a[0] is not scalars
 
 
 # ============================================================================ which chunks run
@@ -436,3 +437,29 @@ def test_validate_does_not_change_bits_logprobs_and_cpo():
         runs = [TORCH.cpo(xs, w, y, chunk_rows=chunk_rows, validate=validate) for validate in (True, False)]
         for k in runs[0]:
             assert np.array_equal(runs[0][k], runs[1][k]), (chunk_rows, k)
+
+
+@pytest.mark.parametrize("engine", ["library", "fused"])
+@pytest.mark.parametrize("n_valid", [64, 13, 0])
+def test_value_check_is_read_after_the_first_chunk(engine, n_valid, monkeypatch):
+    """fce_torch reads its value check (checks.ValueCheck) once the first chunk is queued: that chunk runs
+    valid-first; with every row valid the rest run in the caller's order, otherwise valid-first as far as
+    the valid rows reach. Either way the bits equal validate=False's (every chunk runs valid-first), the
+    library engine's logits GEMMs are the chunks that hold valid rows, and an out-of-range target in a later
+    chunk still raises."""
+    case = Case("late_check", (64,), 16, 130, "bfloat16", bias=True, z_loss=1e-3, seed=62)
+    inp = make_inputs(case)
+    inp["targets"] = _targets(64, 130, n_valid, seed=62)
+    calls = _count_logits_gemms(TORCH, monkeypatch, 130)
+    a = _torch_bits(TORCH.run(inp, case.options(), chunk_rows=8, engine=engine))
+    if engine == "library":
+        assert calls == [8] * max(1, -(-n_valid // 8)), calls
+    b = _torch_bits(TORCH.run(inp, case.options(), chunk_rows=8, engine=engine, validate=False))
+    for k in a:
+        assert (a[k] is None) == (b[k] is None), k
+        if a[k] is not None:
+            assert np.array_equal(a[k], b[k]), k
+    bad = dict(inp, targets=inp["targets"].clone())
+    bad["targets"][50] = 130
+    with pytest.raises(ValueError, match="targets must be in"):
+        TORCH.run(bad, case.options(), chunk_rows=8, engine=engine)
