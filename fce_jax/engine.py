@@ -17,7 +17,7 @@ from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 from fce_core.plan import layout
 
 from . import arrays, gemm
-from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows
+from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows, zero_rows_from
 from .kernels.grad_gemms import dw_accumulate, dw_first, dw_gemm, dx_gemm
 from .kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
 from .kernels.row_stats import row_stats
@@ -98,7 +98,7 @@ class _Sweep:
             return acc, out, None
         args = (z, self.bias, y, self.class_weights, out)
         if self.keep:
-            acc = dlogits(*args, transform=self.transform, dtype=self.dtype, into=acc, row0=r0)
+            acc = dlogits(*args, transform=self.transform, dtype=self.dtype, row0=r0, **_kept(acc))
             if trace is not None:
                 trace["dlogits"] = acc[r0:r0 + x_c.shape[0]]
             return acc, out, None
@@ -115,10 +115,10 @@ class _Sweep:
         y, vocab, comm = inputs["y"], self.w.shape[0], self.comm
         local = y if comm is None else comm.local_targets(y)
         need = any(self.grads)
-        into, row0 = (acc, r0) if self.keep else (None, 0)
+        row0 = r0 if self.keep else 0
         e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, local, vocab), self.class_weights,
                                spec=self.head.stats, transform=self.transform, precision=gemm.pallas_precision(x_c),
-                               into=into, row0=row0, store=need)
+                               store=need, row0=row0, **(_kept(acc) if self.keep else {}))
         zy = None if comm is None else comm.owner_values(jnp.max(parts["zy"], axis=1), y, vocab)
         stats = merge_tiles(parts, vocab, self.tile_weights, zy=zy)
         if comm is not None:
@@ -174,6 +174,13 @@ class _Sweep:
         return dx, dw, db
 
 
+def _kept(acc):
+    """The keywords that write a chunk's rows into the kept dZ: `into` the buffer, or before the first chunk
+    (`acc` its ShapeDtypeStruct) `out_rows`, so that the first chunk's kernel makes it without zeros up front
+    (the rows of chunks that do not run are zeroed after them, `zero_rows_from`)."""
+    return dict(out_rows=acc.shape[0]) if isinstance(acc, jax.ShapeDtypeStruct) else dict(into=acc)
+
+
 def _weight_grad(dw):
     """dW from its accumulator: the hi of a (hi, lo) pair (`grad_gemms.dw_first`), else itself."""
     return dw[0] if isinstance(dw, tuple) else dw
@@ -216,10 +223,13 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
     accumulator, None before the first group). `pos`/`order`: the valid-first permutation of a single group.
     Returns (outputs, dx, dw, db) in the caller's order."""
     size, vocab = x_g.shape[0], sw.w.shape[0]
-    acc = zeros_like_shard((size, vocab), sw.dtype, sw.w) if sw.keep else (dw, db)
+    acc = jax.ShapeDtypeStruct((size, vocab), sw.dtype) if sw.keep else (dw, db)
     if sw.keep and order is not None:  # the GEMMs over the kept dZ take all rows valid-first
         x_g = jnp.take(x_g, order, axis=0)
     outputs, dx, acc = _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace, None if sw.keep else order)
+    first, n_chunks = layout(size, plan.rows)
+    if sw.keep and not (isinstance(n_run, int) and n_run == n_chunks):
+        acc = zero_rows_from(acc, first + (n_run - 1) * plan.rows)
     if pos is not None:
         outputs = {k: v[pos] for k, v in outputs.items()}
     if finish is not None:

@@ -191,3 +191,18 @@ def test_trace_gaps_sums_the_device_idle_time(tmp_path):
     assert "busy 0.21 ms per step of a 0.41 ms span, idle 0.20 ms" in text, text
     assert "0.200  Memcpy DtoH -> gemm" in text and "0.003" not in text, text
     assert "0.200  gemm\n" in text, text
+    # a JAX perfetto trace: the GPU process's stream threads only (its XLA op line spans the same kernels)
+    meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+            dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
+            dict(ph="M", name="thread_name", pid=1, tid=7, args=dict(name="Stream #13(Compute)")),
+            dict(ph="M", name="thread_name", pid=1, tid=8, args=dict(name="XLA Ops")),
+            dict(ph="M", name="thread_name", pid=2, tid=7, args=dict(name="Stream #13(Compute)"))]
+    jax_events = meta + [dict(ph="X", pid=1, tid=7, name="gemm", ts=0, dur=100),
+                         dict(ph="X", pid=1, tid=8, name="fusion.1", ts=0, dur=400),
+                         dict(ph="X", pid=2, tid=7, name="host work", ts=0, dur=400),
+                         dict(ph="X", pid=1, tid=7, name="gemm", ts=300, dur=100)]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": jax_events}, f)
+    text = trace_gaps.report(str(path), steps=1)
+    assert "2 device events, busy 0.20 ms per step of a 0.40 ms span, idle 0.20 ms" in text, text

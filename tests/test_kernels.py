@@ -369,6 +369,24 @@ def test_scale_rows(k, dtype):
     _assert_rel(out, f64(dz) * f64(scale)[:, None], 1e-7 if dtype == "float32" else 4e-3, "scaled")
 
 
+@pytest.mark.parametrize("start", [0, 5, 12, 13, 40])
+def test_zero_rows_from(start):
+    """fce_jax's zero_rows_from (the kept dZ rows of chunks that did not run): rows from `start` on are 0, the
+    rows before it keep their bits (NaN and inf too), whether start is a constant or traced."""
+    import jax
+    import jax.numpy as jnp
+
+    from fce_jax.kernels.dlogits import zero_rows_from
+    dz = _rand((13, 2100), 84).to(torch.bfloat16)
+    dz[1, 7], dz[2, 8] = float("nan"), float("inf")
+    want = dz.clone()
+    want[start:] = 0.0
+    for run in (jax.jit(lambda d: zero_rows_from(d, start)), lambda d: jax.jit(zero_rows_from)(d, start)):
+        out = run(to_jax(dz))
+        assert np.array_equal(np.asarray(out.astype(jnp.float32)).view(np.uint32),
+                              want.float().numpy().view(np.uint32))
+
+
 @each_twin
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_accumulate_bias_grad(k, dtype):

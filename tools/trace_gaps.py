@@ -1,6 +1,7 @@
-"""Where the GPU waits in a chrome trace of `tools/profile_torch.py --trace`: the device's busy time against its
-span, the idle gaps between consecutive kernels and copies summed by the pair of neighbours around them, and the
-device time per kernel name per step.
+"""Where the GPU waits in a chrome trace of `tools/profile_torch.py --trace` (torch.profiler) or of
+`tools/profile_jax.py` (jax.profiler's perfetto trace): the device's busy time against its span, the idle gaps
+between consecutive kernels and copies summed by the pair of neighbours around them, and the device time per
+kernel name per step.
 
 Usage: python tools/trace_gaps.py [--steps S] TRACE.json[.gz] ...   (S: the fwd+bwd steps in a trace, 5 by
 default, as profile_torch.py records). A development tool; runs on any machine.
@@ -16,11 +17,21 @@ NAME = 40       # characters of a kernel's name kept
 
 
 def device_events(path):
+    """The trace's kernels and copies by start time: torch.profiler's by category; in a JAX trace (no such
+    categories) the events of the GPU processes' stream threads (their other threads, XLA's module and op
+    lines, span the same kernels again)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENTS),
-                  key=lambda e: e["ts"])
+    found = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENTS]
+    if not found:
+        names = {(e["pid"], e.get("tid"), e["name"]): e.get("args", {}).get("name", "")
+                 for e in events if e.get("ph") == "M"}
+        gpus = {pid for (pid, _, kind), name in names.items() if kind == "process_name" and "/device:GPU" in name}
+        streams = {(pid, tid) for (pid, tid, kind), name in names.items()
+                   if kind == "thread_name" and pid in gpus and name.startswith("Stream")}
+        found = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+    return sorted(found, key=lambda e: e["ts"])
 
 
 def report(path, steps):

@@ -118,19 +118,20 @@ def gemm_config(cfg=None):
     return cfg or (GEMM_INTERPRETER if interpret_mode() else GEMM)
 
 
-def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision, into=None, row0=0, store=True,
-                cfg=None):
+def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision, into=None, row0=0,
+                out_rows=None, store=True, cfg=None):
     """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y_safe` [n]: the targets, 0 where
-    outside [0, V). Returns (the exp-scaled tile values: rows [row0, row0 + n) of `into`, updated, or a new
-    [n, V] array in x's dtype, None without `store`; the [n, T] partials {m, s, amax, zy[, q][, pz]} of the
-    T = ceil(V / tile_n) tiles)."""
+    outside [0, V). Returns (the exp-scaled tile values: rows [row0, row0 + n) of `into`, updated, or of a new
+    [out_rows, V] array in x's dtype (default: the n rows alone; its other rows undefined), None without
+    `store`; the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V / tile_n) tiles)."""
     cfg = gemm_config(cfg)
     n, hidden = x.shape
     vocab = w.shape[0]
     n_tiles = pl.cdiv(vocab, cfg.tile_n)
     names = ["m", "s", "amax", "zy"] + [k for k, on in (("q", spec.q), ("pz", spec.pz)) if on]
     part = {k: jax.ShapeDtypeStruct((n, n_tiles), jnp.int32 if k == "amax" else F32) for k in names}
-    e_shape = jax.ShapeDtypeStruct(into.shape if into is not None else (n, vocab) if store else (1, 1), x.dtype)
+    new_shape = (n if out_rows is None else out_rows, vocab) if store else (1, 1)
+    e_shape = jax.ShapeDtypeStruct(into.shape if into is not None else new_shape, x.dtype)
     if n == 0:
         return (into if into is not None else jnp.zeros(e_shape.shape, e_shape.dtype),
                 {k: jnp.zeros(s.shape, s.dtype) for k, s in part.items()})
