@@ -29,11 +29,11 @@ def check_tensors(x, weight, targets, bias=None, class_weights=None):
 
 class ValueCheck:
     """fce_torch's one host check of the values (targets outside [0, V) other than ignore_index, non-finite
-    class weights: ValueError), started on the device and read by the host when the engine
-    first needs the count of valid rows (`valid_rows`), at the latest at the end of its sweep. The flags go to
-    pinned memory behind the check's launch, so the host waits for the device to reach the check, not for the
-    work queued after it: a synchronization before the first chunk left the device idle while the host set
-    that chunk up (about 0.8 ms a step at (16384, 2048, 128256), bench/results/nvidia-h200/epilogue-overlap/).
+    class weights: ValueError), started on the device and read by the host when the engine first needs the
+    count of valid rows (`valid_rows`), at the latest at the end of its sweep. The flags go to pinned memory
+    behind the check's launch, so the host waits for the device to reach the check, not for the work queued
+    after it: a synchronization before the first chunk left the device idle while the host set that chunk up
+    (about 0.8 ms a step at (16384, 2048, 128256), bench/results/nvidia-h200/epilogue-overlap/).
     Every kernel reads targets outside [0, V) as 0, so work launched before the error is raised is harmless.
 
     `scalars`: the FLCE reduction scalars float32 [n, n, V] on the device (`kernels.value_flags`)."""

@@ -76,7 +76,7 @@ def _cpo(x, w, bias, y, opt, validate, comm, needs):
     finish = lambda outputs, inputs: _finish_pairs(outputs, inputs, opt=opt, scalars=scalars)  # noqa: E731
     out, dx, dw, db = sweep(x, w, bias, None, _token_head(opt.ignore_index, scalars, vocab), {"y": y}, plan,
                             grads=tuple(needs), transform=FlceOptions().transform, ignore_index=opt.ignore_index,
-                            valid_rows=check, finish=finish, comm=comm, engine=opt.engine)
+                            check=check, finish=finish, comm=comm, engine=opt.engine)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
         dx = None if dx is None else _unpermute(dx, order, seqs)

@@ -125,20 +125,19 @@ class _Grads:
 
 
 def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False, False), transform,
-          ignore_index, valid_rows=None, finish=None, comm=None, trace=None, engine="library"):
+          ignore_index, check=None, finish=None, comm=None, trace=None, engine="library"):
     """One pass over all rows of x [N, H] with w [V, H]. `inputs`: per-row tensors (at least "y"), cut into
     the plan's chunks and handed to the head with each chunk's statistics; the head's outputs are
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
     dw is float32 when accumulated over several chunks or groups, in the weight's dtype otherwise.
 
     Ignored rows (y == ignore_index) are skipped when the plan has one group of several chunks
-    (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`) unless `valid_rows` says that none
-    is ignored, and the full chunks past the last valid row never run; their outputs are 0 (so every head
-    output must be per row), their dX rows too. `valid_rows`: the host's count of valid rows (an int), or a
-    `checks.ValueCheck`, which the sweep reads once the first chunk is queued (or, without valid-first, once
-    every chunk is): the first chunk then runs valid-first, and the rest in the caller's order where the
-    count says that no row is ignored (the same rows). Without either every chunk runs: an ignored row's dZ
-    is exactly 0, so the bits are the same either way. With the plan's kept dZ the dX and dW GEMMs run once
+    (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`), and with the value check
+    (`check`, a `checks.ValueCheck`) the full chunks past the last valid row never run; their outputs are 0
+    (so every head output must be per row), their dX rows too. The sweep reads the check's count once the
+    first chunk is queued (or, without valid-first, once every chunk is); where it says that no row is
+    ignored, the chunks after the first take the caller's rows directly (the same rows). Without the check
+    every chunk runs: an ignored row's dZ is exactly 0, so the bits are the same either way. With the plan's kept dZ the dX and dW GEMMs run once
     per group over all its rows (rows that did not run hold zeros), so their shapes, hence their bits, do
     not depend on the count.
 
@@ -152,15 +151,12 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     """
     n_rows = x.shape[0]
     keep = plan.keep_dz and any(grads)
-    check = None if valid_rows is None or isinstance(valid_rows, int) else valid_rows
     order, n_run, caller_inputs = None, None, inputs
-    if plan.puts_valid_first and valid_rows != n_rows:
+    if plan.puts_valid_first:
         _, order, _ = valid_first(inputs["y"], ignore_index)
         inputs = {k: v[order] for k, v in inputs.items()}
         if keep:  # the GEMMs over the kept dZ take all rows valid-first
             x = x[order]
-        if check is None and valid_rows is not None:
-            n_run = plan.chunks_to_run(valid_rows)
     groups = plan.groups
     acc = _Grads(x, w, grads, single=plan.single_product(any(grads)), comm=comm, own=engine == "fused",
                  order=None if keep else order)

@@ -24,20 +24,20 @@ RowsAndGrads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Ten
 
 
 def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False), normalizer=None, g=None,
-               g_lse=None, valid_rows=None, comm=None, trace=None):
+               g_lse=None, check=None, comm=None, trace=None):
     """The FLCE sweep: outputs are float32 [N] rows lse, loss, zrow, correct, a, b, c and int32 amax, all 0 on
     ignored rows (lse too, whether their chunk ran or was skipped). With `comm` (vocab parallel), w, bias and
-    class_weights are this rank's shard. `valid_rows`: None, the count of valid rows, or the value check
-    (`checks.ValueCheck`, which the sweep reads, engine.py)."""
-    counts = None if valid_rows is None or isinstance(valid_rows, int) else valid_rows.scalars
+    class_weights are this rank's shard. `check`: the value check (`checks.ValueCheck`, which the sweep
+    reads, engine.py), or None."""
+    counts = None if check is None else check.scalars
     head, inputs, plan = flce_setup(arrays, flce_head, x.shape, x.element_size(), w.shape[0], y, class_weights, opt,
                                     need_grads=any(grads), dw_pair=accumulates_pair(w.dtype),
                                     normalizer=normalizer, g=g, g_lse=g_lse, comm=comm, counts=counts)
     rows, dx, dw, db = sweep(x, w, bias, class_weights, head, inputs, plan, grads=grads,
-                             transform=opt.transform, ignore_index=opt.ignore_index, valid_rows=valid_rows,
-                             comm=comm, trace=trace, engine=opt.engine)
-    n_valid = valid_rows if counts is None else valid_rows.valid_rows()  # read by the sweep already
-    if n_valid != x.shape[0]:  # the host's count says whether any row is ignored (two ops fewer if none)
+                             transform=opt.transform, ignore_index=opt.ignore_index, check=check, comm=comm,
+                             trace=trace, engine=opt.engine)
+    # the count (read by the sweep already) says whether any row is ignored: two ops fewer if none
+    if check is None or check.valid_rows() != x.shape[0]:
         rows["lse"] = torch.where(y != opt.ignore_index, rows["lse"], 0.0)
     return rows, dx, dw, db
 
@@ -79,7 +79,7 @@ def _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm, needs):
         vocab = w.shape[0] if comm is None else comm.vocab
         check = ValueCheck(y, vocab, opt.ignore_index, class_weights) if validate else None
         rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=tuple(needs), normalizer=normalizer,
-                                      valid_rows=check, comm=comm)
+                                      check=check, comm=comm)
         loss, zstat = totals(arrays, rows, opt.reduction)
         dw = kept_weight_grad(dw, w.dtype)
     return (loss, zstat, rows["lse"], rows["correct"], rows["amax"],
@@ -139,7 +139,7 @@ def flce_rows_grads_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Te
             g_loss.to(F32).expand(x.shape[0]).contiguous()
         _, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=tuple(needs), normalizer=normalizer,
                                    g=g, g_lse=None if g_lse is None else g_lse.to(F32).contiguous(),
-                                   valid_rows=check, comm=comm)
+                                   check=check, comm=comm)
     return finish_grads(dx, dw, db, x, w, bias, needs)
 
 

@@ -35,7 +35,7 @@ def logprobs_sweep(x, w, y, bias, opt, *, entropy, grads=(False, False, False), 
     vocab = w.shape[0] if comm is None else comm.vocab
     check = ValueCheck(inputs["y"], vocab, opt.ignore_index) if validate else None
     return sweep(x, w, bias, None, head, inputs, plan, grads=grads, transform=opt.transform,
-                 ignore_index=opt.ignore_index, valid_rows=check, comm=comm, engine=opt.engine)
+                 ignore_index=opt.ignore_index, check=check, comm=comm, engine=opt.engine)
 
 
 def _options(ignore_index, softcap, temperature, chunk_rows, engine):

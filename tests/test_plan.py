@@ -282,9 +282,10 @@ SWEEP_SHAPES = [(29, 4, [0, 1, 2, 10, 29]), (32, 8, [9]), (5, 8, [3]), (40, 2, [
 @pytest.mark.parametrize("n,nc,valid_counts", SWEEP_SHAPES, ids=[f"{s[0]}rows_{s[1]}" for s in SWEEP_SHAPES])
 def test_chunks_past_the_valid_rows_do_not_run(n, nc, valid_counts, keep):
     """Through each engine's sweep with a marker head: exactly the chunks holding valid rows (valid first) run,
-    the same rows in both twins; fce_torch without the host count runs them all; dX of a zero dZ is 0."""
+    the same rows in both twins; fce_torch without its value check runs them all; dX of a zero dZ is 0."""
     from fce_jax import engine as jax_engine
     from fce_torch import engine as torch_engine
+    from fce_torch.checks import ValueCheck
 
     h, v = 8, 40
     g = torch.Generator().manual_seed(n)
@@ -301,7 +302,8 @@ def test_chunks_past_the_valid_rows_do_not_run(n, nc, valid_counts, keep):
                                                           np.flatnonzero(y == IGNORE_INDEX)])))
         n_run_rows = min(n, bounds(n, nc)[_chunks_holding(n, nc, n_valid) - 1][1])
         expected = (pos < n_run_rows).float().numpy()
-        outs, dx, *_ = torch_engine.sweep(x, w, None, None, head_t, {"y": y}, plan, valid_rows=n_valid, **kw)
+        outs, dx, *_ = torch_engine.sweep(x, w, None, None, head_t, {"y": y}, plan,
+                                          check=ValueCheck(y, v, IGNORE_INDEX), **kw)
         assert np.array_equal(outs["ran"].numpy(), expected), n_valid
         assert dx.shape == (n, h) and not dx.any()
         outs, *_ = torch_engine.sweep(x, w, None, None, head_t, {"y": y}, plan, **kw)
