@@ -8,8 +8,10 @@ from cache, and both warm up first (compilation, autotuning) outside of what the
   ``max_memory_allocated()`` during one call minus what was allocated before it (the inputs): the gradients
   count, as everything else the call allocates does, for every implementation alike.
 - torch on CPU: wall clock per call; no memory figure.
-- JAX: ``jax.jit(f).lower(...).compile()`` once, warm-up, then wall clock of each call until
-  ``block_until_ready``; the memory is the compiled program's temp buffers plus its outputs (the gradients)
+- JAX: ``jax.jit(f).lower(...).compile()`` once, warm-up, then the calls back to back, the next one always
+  queued behind the running one: a call's time is the wall clock between its predecessor's end and its own
+  (both seen by ``block_until_ready``), its device time with launch gaps included, as the torch events
+  measure; the memory is the compiled program's temp buffers plus its outputs (the gradients)
   (``memory_analysis()``), its arguments excluded. No memory figure on the CPU backend.
 """
 
@@ -115,7 +117,7 @@ def _measure_torch(fn, arg_sets, *, settings):
 
 
 def measure_jax(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, settings: Settings) -> Measurement:
-    """Compile ``fn`` for the shapes of ``arg_sets[0]``, then time it over rotating ``arg_sets``."""
+    """Compile ``fn`` for the shapes of ``arg_sets[0]``, then time it over rotating ``arg_sets``, back to back."""
     import jax
 
     compiled = jax.jit(fn).lower(*arg_sets[0]).compile()
@@ -124,16 +126,34 @@ def measure_jax(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, se
         stats = compiled.memory_analysis()
         extra = None if stats is None else int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
     k = len(arg_sets)
-    for i in range(settings.warmup):
-        jax.block_until_ready(compiled(*arg_sets[i % k]))
+    # the warm-up runs as the timed calls do, so that the allocator already holds what two calls in flight need
+    _back_to_back(compiled, [arg_sets[i % k] for i in range(settings.warmup)])
     value = _scalar(jax.block_until_ready(compiled(*arg_sets[0])))
-    times = []
-    for r in range(settings.reps):
-        args = arg_sets[r % k]
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
+    times = _back_to_back(compiled, [arg_sets[r % k] for r in range(settings.reps)])
     return Measurement(statistics.median(times), extra, value)
+
+
+def _back_to_back(compiled, calls: Sequence[Sequence[Any]]) -> list[float]:
+    """Run ``compiled`` on each argument set with the next call always queued behind the running one (as a
+    training loop's host runs ahead of the device, at most one call ahead here, so that no more than two
+    calls' outputs are alive); call i's time is the wall clock between calls i-1 and i finishing, which is its
+    device time while the host keeps the queue full. A first, untimed call fills the queue."""
+    import jax
+
+    if not calls:
+        return []
+    running = compiled(*calls[0])
+    times, done = [], None
+    for args in calls:
+        queued = compiled(*args)
+        jax.block_until_ready(running)
+        now = time.perf_counter()
+        if done is not None:
+            times.append((now - done) * 1e3)
+        done, running = now, queued
+    jax.block_until_ready(running)
+    times.append((time.perf_counter() - done) * 1e3)
+    return times
 
 
 def free_torch_cache(settings: Settings) -> None:

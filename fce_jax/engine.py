@@ -253,7 +253,8 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
 
     Ignored rows (y == ignore_index) are skipped when the plan has one group of several chunks
     (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`), the valid ones counted on the
-    device, and the full chunks past the last valid row never run (a loop with a traced trip count); their
+    device, and the full chunks past the last valid row never run (a loop with a traced trip count, unless
+    every chunk runs: the group under a `lax.cond`, NUMERICS.md); their
     outputs are 0 (so every head output must be per row), their dX rows too. With the plan's kept dZ the dX
     and dW GEMMs run once per group over all its rows (the rows that did not run hold zeros), as in
     fce_torch, so their shapes do not depend on the count.
@@ -283,8 +284,18 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
             pos, order, n_valid = valid_first(inputs["y"], ignore_index)
             inputs_g = {k: jnp.take(v, order, axis=0) for k, v in inputs.items()}  # also numpy or literal inputs
             n_run = plan.chunks_to_run(n_valid, jnp.clip)
-        outputs, dx, dw, db = _group_pass(sw, plan, x, inputs_g, inputs, n_run, None, db, trace, finish, pos,
-                                          order)
+        group = functools.partial(_group_pass, sw, plan, x, inputs_g, inputs, dw=None, db=db, trace=trace,
+                                  finish=finish, pos=pos, order=order)
+        n_chunks = layout(plan.n_rows, plan.rows)[1]
+        if isinstance(n_run, int) or trace is not None:
+            outputs, dx, dw, db = group(n_run)
+        else:
+            # XLA reads a traced loop bound on the host before every step of the loop, and the device idles
+            # until the host has queued the step. Where every chunk runs (no row ignored) a loop of known
+            # length does the same steps, queued at once: one read of the count instead of one per chunk.
+            # Around the whole group, so that no buffer that the chunks update in place enters the branches
+            # (XLA would copy it).
+            outputs, dx, dw, db = lax.cond(n_run == n_chunks, lambda: group(n_chunks), lambda: group(n_run))
         return outputs, dx, _weight_grad(dw), db
     g_first, n_groups = layout(plan.n_rows, plan.group_rows)
 

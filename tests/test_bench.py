@@ -206,3 +206,29 @@ def test_trace_gaps_sums_the_device_idle_time(tmp_path):
         json.dump({"traceEvents": jax_events}, f)
     text = trace_gaps.report(str(path), steps=1)
     assert "2 device events, busy 0.20 ms per step of a 0.40 ms span, idle 0.20 ms" in text, text
+
+
+def test_jax_calls_run_back_to_back_one_queued():
+    """`timing._back_to_back` keeps exactly one call queued behind the running one: call i+1 is launched before
+    call i is waited for, and never two ahead; every call gets a time, in the order of the argument sets."""
+    from bench import timing
+
+    log = []
+
+    class Result:
+        def __init__(self, i):
+            self.i = i
+
+        def block_until_ready(self):
+            log.append(("wait", self.i))
+            return self
+
+    def compiled(i):
+        log.append(("call", i))
+        return Result(i)
+
+    times = timing._back_to_back(compiled, [(1,), (2,), (3,)])
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    assert log == [("call", 1), ("call", 1), ("wait", 1), ("call", 2), ("wait", 1), ("call", 3), ("wait", 2),
+                   ("wait", 3)]
+    assert timing._back_to_back(compiled, []) == []

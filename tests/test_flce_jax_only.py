@@ -144,6 +144,26 @@ def test_no_permuted_copy_of_x_or_dx(engine):
 
 
 @pytest.mark.parametrize("engine", ["library", "fused"])
+def test_every_chunk_running_is_a_loop_of_known_length(engine):
+    """XLA reads a traced loop bound on the host before every step, the device idling meanwhile. With the
+    valid-first plan (N=2048, chunk_rows=256: 8 chunks) the sweep runs under a conditional on "every chunk
+    runs" whose branch loops over the 7 later chunks with a known trip count, and the conditional takes no
+    buffer that the chunks update in place (XLA would copy it): no copy of a [rows, V] dZ or a [V, H] dW."""
+    n, h, v, rows = 2048, 256, 512, 256
+    xs, ws, ts = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((n,), jnp.int32))
+
+    def f(x, w, t):
+        return fused_lce(x, w, t, chunk_rows=rows, engine=engine)
+
+    text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(xs, ws, ts).compile().as_text()
+    assert " conditional(" in text
+    assert '"known_trip_count":{"n":"7"}' in text, re.findall(r'known_trip_count":\{"n":"\d+"', text)
+    assert not re.search(rf"= bf16\[({n}|{rows}),{v}\]\{{[0-9,]*\}} copy\(", text)
+    assert not re.search(rf"= (f32|bf16|s8)\[{v},{h}\]\{{[0-9,]*\}} copy\(", text)
+
+
+@pytest.mark.parametrize("engine", ["library", "fused"])
 def test_one_chunk_keeps_the_callers_row_order(engine):
     """With one chunk (`Plan.puts_valid_first` false) every row runs anyway, so the rows keep the caller's
     order: jit(value_and_grad) at N=256 in one chunk gathers and scatters no rows of x or dX (the valid-first
