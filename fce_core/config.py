@@ -126,7 +126,11 @@ class BudgetConfig:
     logits: int = 1 << 30          # the float32 logits of one chunk
     kept_logits: int = 1 << 29     # the same when every chunk's dZ is kept (it shares the memory with them)
     grouped_logits: int = 1 << 28  # the same next to a group's kept dZ and a float32 dW accumulator
-    tiles: int = 1 << 28           # engine="fused": a chunk's exp-scaled tile values in the input dtype
+    tiles: int = 1 << 28           # engine="fused": a chunk's exp-scaled tile values in the input dtype (its
+                                   # per-tile statistics without gradients, plan.STATS_BYTES)
+    # engine="fused" without gradients: a chunk's rows of x, which stay in L2 while every W tile streams past
+    # them (H200 loss only, 16384x2048: 14.2 ms at 16 MiB, 18.7 at 58; bench/results/nvidia-h200/jax-known-length/)
+    resident_x: int = 1 << 24
     row_multiple: int = 128
 
 

@@ -9,7 +9,11 @@ The chunks that hold only ignored rows (once the valid rows come first) need not
 """
 from dataclasses import dataclass
 
-from .config import BUDGET, GRAD_GEMM, PAIR_LO_BYTES, BudgetConfig, GradGemmConfig
+from .config import BUDGET, GEMM, GRAD_GEMM, PAIR_LO_BYTES, BudgetConfig, GradGemmConfig
+
+# The fused logits GEMM's float32 / int32 [rows, tiles] arrays without gradients, bytes per row and tile: its
+# partials m, s, amax, zy, q, pz and the merge's rescaled s, q, pz.
+STATS_BYTES = 9 * 4
 
 
 def chunk_rows(n_rows: int, vocab: int, requested: int | None = None, budget: int = BUDGET.logits,
@@ -103,7 +107,17 @@ def fused_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grad
     N * itemsize <= H * (4 - itemsize) + rows * itemsize. Otherwise, with `dw_pair` (a bfloat16 weight, its dW
     accumulated as a bfloat16 hi and an int8 lo: an excess of PAIR_LO_BYTES per element where float32's is 2),
     the chunk takes the bytes the pair saves, V * H * (2 - PAIR_LO_BYTES) more for its tile values: the same
-    memory in fewer, larger chunks, so the accumulator is read and written fewer times."""
+    memory in fewer, larger chunks, so the accumulator is read and written fewer times.
+
+    Without gradients no tile values are stored: the budget holds a chunk's per-tile statistics instead
+    (STATS_BYTES per row and logits tile of GEMM.tile_n columns), and the chunk's rows of x fit
+    `budget.resident_x` (in L2 while the W tiles stream past): fewer, larger chunks (2048 rows at H = 4096,
+    7168 at H = 640, V = 262144), hence fewer launches, and a row's outputs do not depend on its chunk."""
+    if not need_grads:
+        tiles = -(-vocab // GEMM.tile_n)
+        return Plan(n_rows, min(chunk_rows(n_rows, tiles, requested, budget.tiles, budget.row_multiple, STATS_BYTES),
+                                chunk_rows(n_rows, hidden, requested, budget.resident_x, budget.row_multiple,
+                                           itemsize)), False)
     rows = chunk_rows(n_rows, vocab, requested, budget.tiles, budget.row_multiple, itemsize)
     keep = need_grads and rows < n_rows and n_rows * itemsize <= hidden * (4 - itemsize) + rows * itemsize
     if need_grads and dw_pair and not keep and rows < n_rows and requested is None:

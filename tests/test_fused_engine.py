@@ -38,7 +38,7 @@ from fce_core.rows import tile_weights
 from helpers import to_jax, to_torch
 from parity.cases import IGNORE_INDEX, Case, make_inputs
 from parity.reference import as_float64
-from twins import check_flce, each_twin, quick_jit
+from twins import STAT_KEYS, check_flce, each_twin, quick_jit
 
 TILE_N = GEMM_INTERPRETER.tile_n
 F64 = torch.float64
@@ -178,6 +178,31 @@ def test_fused_chunking_plans(twin, name):
         assert plan_rows(37, h, 300, 4, need_grads=True, requested=chunk_rows).keep_dz
     inp = make_inputs(case)
     _check(twin, case, inp, twin.run(inp, case.options(), chunk_rows=chunk_rows))
+
+
+@each_twin
+def test_fused_loss_without_gradients_keeps_its_bits_in_one_chunk(twin):
+    """Without gradients the fused plan's budget holds per-tile statistics, not tile values
+    (`plan.fused_rows`), so the rows run in one chunk where the gradient call takes several: a row's outputs
+    do not depend on its chunk, so the loss and the stats are the same bits either way. Every option on, rows
+    ignored, chunks of 5 rows against the plan's one."""
+    case = _chunking_case("bfloat16", 16)
+    assert layout(37, plan_rows(37, 16, 300, 2, need_grads=False, engine="fused").rows)[1] == 1
+    inp = make_inputs(case)
+    with_grads = twin.run(inp, case.options(), chunk_rows=5)
+    args = [twin.array(inp[k]) for k in ("x", "weight", "targets", "bias", "class_weights")]
+    for rows in (5, None):
+        def call(x, w, t, b, cw, rows=rows):
+            return twin.lib.fused_lce(x, w, t, bias=b, class_weights=cw, return_stats=True, chunk_rows=rows,
+                                      **case.options())
+
+        if twin.name == "torch":
+            with torch.no_grad():
+                loss, stats = call(*args)
+        else:  # jitted, as the gradient call is (XLA fuses the row math otherwise)
+            loss, stats = quick_jit(call)(*args)
+        for k, v in (("loss", loss), *((k, stats[k]) for k in STAT_KEYS)):
+            assert np.array_equal(twin.bits(v), twin.bits(with_grads[k])), (rows, k)
 
 
 # ============================================================================ 2. the kernels

@@ -21,7 +21,8 @@ import torch
 from fce_core.config import BUDGET, BudgetConfig
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
-from fce_core.plan import Plan, bounds, chunk_rows, layout, pair_order, pairs_per_group, plan_pairs, plan_rows
+from fce_core.plan import (STATS_BYTES, Plan, bounds, chunk_rows, layout, pair_order, pairs_per_group, plan_pairs,
+                            plan_rows)
 from helpers import to_jax
 from parity.cases import IGNORE_INDEX, Case, make_inputs
 from twins import TORCH, check_flce, each_twin, quick_jit
@@ -172,6 +173,26 @@ def test_fused_rows_pair_real_shapes():
     assert plan_rows(16384, 4096, 128256, 2, need_grads=True, engine="fused").rows == 1024
     assert plan_rows(4096, 4096, 128256, 2, need_grads=True, engine="fused", dw_pair=True) == \
         plan_rows(4096, 4096, 128256, 2, need_grads=True, engine="fused")  # dZ kept: one dW GEMM
+
+
+def test_fused_rows_without_gradients_hold_statistics():
+    """Without gradients the fused chunk stores no tile values: its budget holds the [rows, tiles] statistics
+    (STATS_BYTES per row and 256-column tile), and its rows of x fit `resident_x` (16 MiB); the bench's shapes
+    then run in 1-4 chunks where the tile values' budget made 8 to 16 (the sizes measured fastest, loss only
+    on the H200: 4096 rows at H = 2048, 2048 at H = 4096, 3584 at H = 2304). A requested size still wins, and
+    tiny budgets still give a granule."""
+    def rows(n, h, v, **kw):
+        return plan_rows(n, h, v, 2, need_grads=False, engine="fused", **kw).rows
+
+    assert {s: rows(*s) for s in ((16384, 2048, 128256), (16384, 4096, 128256), (8192, 2304, 256000),
+                                  (8192, 640, 262144), (8192, 896, 151936), (256, 4096, 128256))} == {
+        (16384, 2048, 128256): 4096, (16384, 4096, 128256): 2048, (8192, 2304, 256000): 3584,
+        (8192, 640, 262144): 7168, (8192, 896, 151936): 8192, (256, 4096, 128256): 256}
+    assert 7168 * 1024 * STATS_BYTES <= BUDGET.tiles < 7296 * 1024 * STATS_BYTES  # H = 640: the statistics bound
+    assert rows(16384, 4096, 128256, requested=100) == 100
+    assert rows(16384, 4096, 128256, budget=BudgetConfig(tiles=1)) == BUDGET.row_multiple
+    assert rows(16384, 4096, 128256, budget=BudgetConfig(resident_x=1)) == BUDGET.row_multiple
+    assert not plan_rows(16384, 4096, 128256, 2, need_grads=False, engine="fused").keep_dz
 
 
 @pytest.mark.parametrize("n_pairs,seq_len,h,itemsize,requested", list(itertools.product(
