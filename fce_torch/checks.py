@@ -64,4 +64,3 @@ class ValueCheck:
                 raise class_weights_error()
             self._count = flags[1]
         return self._count
-

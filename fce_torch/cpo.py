@@ -17,7 +17,7 @@ from fce_core.plan import pair_order, plan_pairs
 
 from .api import prepare, requires_grad
 from .autodiff import absent, register_precomputed
-from .checks import check_tensors, ValueCheck, describe
+from .checks import ValueCheck, check_tensors, describe
 from .engine import Head, sweep
 from .kernels import cpo_pairs
 from .kernels.fastmath import ASM
