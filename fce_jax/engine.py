@@ -144,12 +144,12 @@ class _Sweep:
             return product(dtype)
         return self.comm.sum_parts(product(F32)).astype(dtype)
 
-    def add(self, dz, x_rows, dw, db):
+    def add(self, dz, x_rows, dw, db, ran=None):
         """The GEMMs of some rows' dZ: (dX rows or None, dW (+)= dZ^T X, db + column sums (if given));
-        vocab-parallel, dX from the shards' float32 parts."""
+        vocab-parallel, dX from the shards' float32 parts. `ran`: as in fce_torch's `_Grads.add`."""
         need_dx, need_dw, _ = self.grads
         if self.engine == "fused":
-            return self.add_own(dz, x_rows, dw, db)
+            return self.add_own(dz, x_rows, dw, db, ran)
         dx = self._dx(lambda dtype: gemm.mm(dz, self.w, dtype), x_rows.dtype) if need_dx else None
         if need_dw:
             dw = (gemm.mm(dz, x_rows, self.w.dtype if self.single else F32, a_t=True) if dw is None
@@ -158,14 +158,16 @@ class _Sweep:
             db = accumulate_bias_grad(dz, db)
         return dx, dw, db
 
-    def add_own(self, dz, x_rows, dw, db):
+    def add_own(self, dz, x_rows, dw, db, ran=None):
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
-        accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32)."""
+        accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); with `ran`,
+        dX and dW over the first `ran` rows, as in fce_torch's `_Grads._add_own`."""
         need_dx, need_dw, _ = self.grads
         precision = gemm.pallas_precision(dz)
-        dx = self._dx(lambda dtype: dx_gemm(dz, self.w, dtype, precision), x_rows.dtype) if need_dx else None
+        dx = self._dx(lambda dtype: dx_gemm(dz, self.w, dtype, precision, rows=ran),
+                      x_rows.dtype) if need_dx else None
         if need_dw and self.single:
-            dw = dw_gemm(dz, x_rows, self.w.dtype, precision)
+            dw = dw_gemm(dz, x_rows, self.w.dtype, precision, rows=ran)
         elif need_dw:
             dw = dw_first(dz, x_rows, self.w.dtype, precision) if dw is None else \
                 dw_accumulate(dz, x_rows, dw, precision)
@@ -237,11 +239,27 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
     if sw.keep:
         if "scale" in outputs:
             acc = scale_rows(acc, outputs["scale"] if order is None else outputs["scale"][order])
-        dx, dw, db = sw.add(acc, x_g, dw, db)
+        dx, dw, db = _kept_grads(sw, plan, acc, x_g, dw, db, n_run)
         dx = dx if dx is None or pos is None else dx[pos]
     else:
         dw, db = acc
     return outputs, dx, dw, db
+
+
+def _kept_grads(sw, plan, dz, x_g, dw, db, n_run):
+    """The GEMMs over a group's kept dZ, whose rows past the first n_run chunks are 0: on the fused engine over
+    the rows of those chunks, as fce_torch's sweep (a branch per count of chunks where n_run is traced, so
+    that every GEMM has a static shape), on the library engine over all rows."""
+    first, n_chunks = layout(x_g.shape[0], plan.rows)
+
+    def over(n):
+        return sw.add(dz, x_g, dw, db, ran=first + (n - 1) * plan.rows)
+
+    if sw.engine != "fused":
+        return sw.add(dz, x_g, dw, db)
+    if isinstance(n_run, int):
+        return over(n_run)
+    return lax.switch(n_run - 1, [functools.partial(over, n) for n in range(1, n_chunks + 1)])
 
 
 def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False, False), transform,
@@ -256,8 +274,8 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     device, and the full chunks past the last valid row never run (a loop with a traced trip count, unless
     every chunk runs: the group under a `lax.cond`, NUMERICS.md); their
     outputs are 0 (so every head output must be per row), their dX rows too. With the plan's kept dZ the dX
-    and dW GEMMs run once per group over all its rows (the rows that did not run hold zeros), as in
-    fce_torch, so their shapes do not depend on the count.
+    and dW GEMMs run once per group, as in fce_torch: on the fused engine over the rows of the chunks that ran
+    (`_kept_grads`), on the library engine over all rows.
 
     `finish(outputs, inputs)` adds outputs from a whole group's outputs and inputs (in the caller's order);
     its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need

@@ -87,11 +87,12 @@ class _Grads:
         if self.order is not None:
             self.dx.index_copy_(0, self.order[r0:r1], dx)
 
-    def add(self, dz, r0, r1, x_rows):
+    def add(self, dz, r0, r1, x_rows, ran=None):
         """The GEMMs of the dZ of rows [r0, r1), x_rows = `rows(r0, r1)` (vocab-parallel: dX from the shards'
-        float32 parts)."""
+        float32 parts). `ran`: a kept dZ's rows past its first `ran` did not run (they are 0), which the fused
+        engine's dX and dW leave out (`_add_own`)."""
         if self.own:
-            return self._add_own(dz, r0, r1, x_rows)
+            return self._add_own(dz, r0, r1, x_rows, ran)
         if self.need_dx:
             self._dx(r0, r1, lambda out: gemm.mm(dz, self.w, out.dtype, out=out))
         if self.need_dw:
@@ -102,16 +103,17 @@ class _Grads:
         if self.db is not None:
             accumulate_bias_grad(dz, self.db)
 
-    def _add_own(self, dz, r0, r1, x_rows):
+    def _add_own(self, dz, r0, r1, x_rows, ran=None):
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); vocab-parallel,
-        dX from the shards' float32 parts as in `add`."""
+        dX from the shards' float32 parts as in `add`. With `ran`, dX is 0 past those rows and dW's K is
+        `ran`: the zero rows left out add exact zeros, so the bits are those of all rows (docs/NUMERICS.md)."""
         precision = gemm.triton_precision(dz)
         if self.need_dx:
-            self._dx(r0, r1, lambda out: dx_gemm(dz, self.w, out, precision))
+            self._dx(r0, r1, lambda out: dx_gemm(dz, self.w, out, precision, rows=ran))
         if self.need_dw:
             if self.single:
-                self.dw = dw_gemm(dz, x_rows, self.w.dtype, precision)
+                self.dw = dw_gemm(dz, x_rows, self.w.dtype, precision, rows=ran)
             elif self.dw is None:
                 self.dw = dw_first(dz, x_rows, self.w.dtype, precision)
             else:
@@ -137,9 +139,10 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     (so every head output must be per row), their dX rows too. The sweep reads the check's count once the
     first chunk is queued (or, without valid-first, once every chunk is); where it says that no row is
     ignored, the chunks after the first take the caller's rows directly (the same rows). Without the check
-    every chunk runs: an ignored row's dZ is exactly 0, so the bits are the same either way. With the plan's kept dZ the dX and dW GEMMs run once
-    per group over all its rows (rows that did not run hold zeros), so their shapes, hence their bits, do
-    not depend on the count.
+    every chunk runs: an ignored row's dZ is exactly 0, so the bits are the same either way. With the plan's kept
+    dZ the dX and dW GEMMs run once per group (rows that did not run hold zeros): on the fused engine over the
+    rows of the chunks that ran, whose left-out K steps would add exact zeros (the same bits,
+    docs/NUMERICS.md), on the library engine over all rows, so that its shapes do not depend on the count.
 
     `finish(outputs, inputs)` adds outputs from a whole group's outputs and inputs (in the caller's order);
     its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need
@@ -187,7 +190,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
             dz_rows[chunks[-1][1]:].zero_()
             if "scale" in out:
                 scale_rows(dz_rows, out["scale"] if order is None else out["scale"][order])
-            acc.add(dz_rows, g0, g1, acc.rows(g0, g1))
+            acc.add(dz_rows, g0, g1, acc.rows(g0, g1), ran=chunks[-1][1])
             dz_rows = None  # released before the next group allocates its own
         outs.append(out)
     if check is not None:

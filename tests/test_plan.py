@@ -438,6 +438,49 @@ def test_validate_does_not_change_bits(case):
             assert np.array_equal(a[k], b[k]), k
 
 
+def test_fused_kept_grads_run_over_the_chunks_that_ran(monkeypatch):
+    """The fused engine's dX and dW over a kept dZ take only the rows of the chunks that ran (16 of 64 rows:
+    2 of 8 chunks), in fce_torch with validate and in fce_jax (a branch per count of chunks, each traced with
+    its rows); the bits of every output are those of the same twin's run whose GEMMs take all 64 rows
+    (validate=False; in JAX every chunk made to run): the K steps left out would add exact zeros."""
+    import fce_jax.engine as jax_engine
+    import fce_torch.engine as torch_engine
+
+    from twins import JAX
+
+    case = Case("skip_kept_fused", (64,), 64, 300, "bfloat16", bias=True, z_loss=1e-3, label_smoothing=0.1,
+                seed=45)
+    assert plan_rows(64, 64, 300, 2, need_grads=True, requested=8, engine="fused").keep_dz  # 64 * 2 <= 64 * 2 + 8 * 2
+    inp = _skip_inputs(case)
+    rows = {"torch": [], "jax": []}
+    for module, twin in ((torch_engine, "torch"), (jax_engine, "jax")):
+        for name in ("dx_gemm", "dw_gemm"):
+            def record(*args, _real=getattr(module, name), _name=name, _twin=twin, **kw):
+                rows[_twin].append((_name, kw.get("rows")))
+                return _real(*args, **kw)
+
+            monkeypatch.setattr(module, name, record)
+    a = _torch_bits(TORCH.run(inp, case.options(), chunk_rows=8, engine="fused"))
+    assert rows["torch"] == [("dx_gemm", 16), ("dw_gemm", 16)], rows["torch"]
+    rows["torch"].clear()
+    b = _torch_bits(TORCH.run(inp, case.options(), chunk_rows=8, engine="fused", validate=False))
+    assert rows["torch"] == [("dx_gemm", 64), ("dw_gemm", 64)], rows["torch"]
+    for k in a:
+        assert (a[k] is None) == (b[k] is None), k
+        if a[k] is not None:
+            assert np.array_equal(a[k], b[k]), k
+    c = JAX.run(inp, case.options(), chunk_rows=8, engine="fused", fresh=True)
+    assert sorted(set(rows["jax"])) == [(name, 8 * n) for name in ("dw_gemm", "dx_gemm") for n in range(1, 9)]
+    rows["jax"].clear()
+    monkeypatch.setattr(Plan, "chunks_to_run", lambda self, n_valid, clip=None: layout(self.n_rows, self.rows)[1])
+    d = JAX.run(inp, case.options(), chunk_rows=8, engine="fused", fresh=True)   # every chunk runs
+    assert sorted(set(rows["jax"])) == [("dw_gemm", 64), ("dx_gemm", 64)], rows["jax"]
+    for k in c:
+        assert (c[k] is None) == (d[k] is None), k
+        if c[k] is not None:
+            assert np.array_equal(JAX.bits(c[k]), JAX.bits(d[k])), k
+
+
 def test_validate_does_not_change_bits_logprobs_and_cpo():
     """The same for fused_token_logprobs (whose backward also skips the rows of zero cotangent) and for
     fused_cpo_loss in one group (chunks cutting pairs, ignored prompt tokens skipped) and in groups of pairs."""

@@ -113,29 +113,33 @@ def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=
     return res if len(res) > 1 else res[0]
 
 
-def dx_gemm(dz, w, dtype, precision=None, cfg=None):
+def dx_gemm(dz, w, dtype, precision=None, cfg=None, rows=None):
     """dZ [n, V] @ w [V, H] rounded once to `dtype`; over `fce_core.plan.dx_slices` slices of V, their
-    float32 planes summed by `pairwise_sum`, when that is more than one (as fce_torch)."""
+    float32 planes summed by `pairwise_sum`, when that is more than one (as fce_torch). `rows`: dZ is 0 past
+    its first `rows` rows, so the product runs over those and the other rows are 0 (as fce_torch)."""
     (n, vocab), hidden = dz.shape, w.shape[1]
     cfg = cfg or _config(dz, w)
     slices = dx_slices(n, hidden, vocab, cfg)
-    shape = (n, hidden) if slices == 1 else (slices, n, hidden)
-    planes = _run(dz, w, n, hidden, vocab, a_t=False, mode=WRITE,
+    m = n if rows is None else rows
+    shape = (m, hidden) if slices == 1 else (slices, m, hidden)
+    planes = _run(dz, w, m, hidden, vocab, a_t=False, mode=WRITE,
                   outs=[jax.ShapeDtypeStruct(shape, dtype if slices == 1 else F32)], precision=precision,
                   slices=slices, cfg=cfg)
-    return planes if slices == 1 else pairwise_sum(jnp.transpose(planes, (1, 2, 0))).astype(dtype)
+    dx = planes if slices == 1 else pairwise_sum(jnp.transpose(planes, (1, 2, 0))).astype(dtype)
+    return dx if m == n else jnp.pad(dx, ((0, n - m), (0, 0)))
 
 
-def _dz_t_x(dz, x, mode, outs, first=False, precision=None, cfg=None):
-    """dZᵀ @ x (dZ [n, V] contracted over its rows, x [n, H]) with the epilogue `mode`, into `outs`."""
-    return _run(dz, x, dz.shape[1], x.shape[1], dz.shape[0], a_t=True, mode=mode, outs=outs, first=first,
-                precision=precision, cfg=cfg)
+def _dz_t_x(dz, x, mode, outs, first=False, precision=None, cfg=None, rows=None):
+    """dZᵀ @ x (dZ [n, V] contracted over its first `rows` rows (default all), x [n, H]) with the epilogue
+    `mode`, into `outs`."""
+    return _run(dz, x, dz.shape[1], x.shape[1], dz.shape[0] if rows is None else rows, a_t=True, mode=mode,
+                outs=outs, first=first, precision=precision, cfg=cfg)
 
 
-def dw_gemm(dz, x, dtype, precision=None, cfg=None):
-    """dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`."""
+def dw_gemm(dz, x, dtype, precision=None, cfg=None, rows=None):
+    """dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`; `rows` as in fce_torch's."""
     return _dz_t_x(dz, x, WRITE, [jax.ShapeDtypeStruct((dz.shape[1], x.shape[1]), dtype)], precision=precision,
-                   cfg=cfg)
+                   cfg=cfg, rows=rows)
 
 
 def accumulates_pair(dtype):

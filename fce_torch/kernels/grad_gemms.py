@@ -181,16 +181,22 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
         num_stages=stages(cfg, a.element_size()))
 
 
-def dx_gemm(dz, w, out, precision="ieee", cfg=None):
+def dx_gemm(dz, w, out, precision="ieee", cfg=None, rows=None):
     """out [n, H] (contiguous) = dZ [n, V] @ w [V, H], rounded once to out's dtype; over
     `fce_core.plan.dx_slices` slices of V, their float32 planes summed by `pairwise_sum` straight into out,
-    when that is more than one."""
+    when that is more than one. `rows`: dZ is 0 past its first `rows` rows, so the product runs over those and
+    out's other rows are 0; the slices are still those of all n rows, so a row's bits are the same."""
     (n, vocab), hidden = dz.shape, w.shape[1]
     slices = dx_slices(n, hidden, vocab, cfg or _config())
-    cfg = cfg or _dx_config(n, hidden, slices, dz.device)
-    planes = out if slices == 1 else torch.empty(slices, n, hidden, device=dz.device, dtype=F32)
-    _run(dz, False, w, planes, None, n, hidden, vocab, WRITE, precision=precision, slices=slices, cfg=cfg)
-    return out if slices == 1 else pairwise_sum(planes.permute(1, 2, 0), out=out)
+    m = n if rows is None else rows
+    cfg = cfg or _dx_config(m, hidden, slices, dz.device)
+    planes = out[:m] if slices == 1 else torch.empty(slices, m, hidden, device=dz.device, dtype=F32)
+    _run(dz, False, w, planes, None, m, hidden, vocab, WRITE, precision=precision, slices=slices, cfg=cfg)
+    if slices > 1:
+        pairwise_sum(planes.permute(1, 2, 0), out=out[:m])
+    if m < n:
+        out[m:].zero_()
+    return out
 
 
 def _dw_config(hidden):
@@ -200,16 +206,18 @@ def _dw_config(hidden):
     return _tall_where(lambda c: -(-hidden // c.tile_n) * c.tile_n - hidden)
 
 
-def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None):
-    """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`."""
-    _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0], mode, first=first, precision=precision,
-         cfg=cfg or _dw_config(x.shape[1]))
+def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None, rows=None):
+    """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`, K the
+    first `rows` rows (default all)."""
+    _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0] if rows is None else rows, mode, first=first,
+         precision=precision, cfg=cfg or _dw_config(x.shape[1]))
 
 
-def dw_gemm(dz, x, dtype, precision="ieee", cfg=None):
-    """A new [V, H] dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`."""
+def dw_gemm(dz, x, dtype, precision="ieee", cfg=None, rows=None):
+    """A new [V, H] dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`. `rows`: dZ is 0 past its first
+    `rows` rows, which K leaves out (the K steps past them would add exact zeros: the same bits)."""
     out = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
-    _dz_t_x(dz, x, out, None, WRITE, precision=precision, cfg=cfg)
+    _dz_t_x(dz, x, out, None, WRITE, precision=precision, cfg=cfg, rows=rows)
     return out
 
 
