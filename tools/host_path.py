@@ -4,8 +4,11 @@ Python, torch's ops and autograd; then, with --profile, cProfile's top functions
 GPU's wall time per call at a host-bound shape (N = 256) it tells how much of the host's share is Triton's
 launch path (binding, specialization, the driver) rather than fce's code.
 
-Usage (any machine, no GPU needed): python tools/host_path.py [--profile] [N,H,V ...]   (256,4096,128256 by
-default). A development tool.
+With --cuda (GPU machine) the tensors live on the GPU, so torch's CUDA-side ops count too, and the same calls are
+first timed with their launches: the difference is Triton's launch path (best of 3 rounds of STEPS calls each).
+
+Usage: python tools/host_path.py [--profile] [--cuda] [N,H,V ...]   (256,4096,128256 by default; without --cuda
+any machine, no GPU needed). A development tool.
 """
 import cProfile
 import os
@@ -38,10 +41,10 @@ def _no_launches():
     checks.value_flags = clean
 
 
-def host_ms(n, h, v, profile=False):
-    x = torch.randn(n, h).bfloat16().requires_grad_(True)
-    w = (torch.randn(v, h) / h ** 0.5).bfloat16().requires_grad_(True)
-    y = torch.randint(0, v, (n,))
+def host_ms(n, h, v, profile=False, device="cpu"):
+    x = torch.randn(n, h, device=device).bfloat16().requires_grad_(True)
+    w = (torch.randn(v, h, device=device) / h ** 0.5).bfloat16().requires_grad_(True)
+    y = torch.randint(0, v, (n,), device=device)
 
     def step():
         x.grad = w.grad = None
@@ -49,10 +52,14 @@ def host_ms(n, h, v, profile=False):
 
     for _ in range(3):
         step()
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        step()
-    ms = (time.perf_counter() - start) / STEPS * 1e3
+    ms = float("inf")
+    for _ in range(3 if device == "cuda" else 1):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            step()
+        _sync(device)
+        ms = min(ms, (time.perf_counter() - start) / STEPS * 1e3)
     if profile:
         prof = cProfile.Profile()
         prof.runcall(lambda: [step() for _ in range(STEPS)])
@@ -60,14 +67,23 @@ def host_ms(n, h, v, profile=False):
     return ms
 
 
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def main():
     args = sys.argv[1:]
-    profile = "--profile" in args
-    shapes = [tuple(int(d) for d in a.split(",")) for a in args if a != "--profile"] or [(256, 4096, 128256)]
+    profile, device = "--profile" in args, "cuda" if "--cuda" in args else "cpu"
+    shapes = [tuple(int(d) for d in a.split(",")) for a in args if not a.startswith("--")] or [(256, 4096, 128256)]
+    if device == "cuda":
+        for n, h, v in shapes:
+            print(f"({n}, {h}, {v}) fused fwd+bwd with its launches: {host_ms(n, h, v, device=device):.3f} ms per "
+                  f"call", flush=True)
     _no_launches()
     for n, h, v in shapes:
-        print(f"({n}, {h}, {v}) fused fwd+bwd, kernels not launched: {host_ms(n, h, v, profile):.2f} ms of host "
-              f"per call ({STEPS} calls)", flush=True)
+        print(f"({n}, {h}, {v}) fused fwd+bwd, kernels not launched ({device} tensors): "
+              f"{host_ms(n, h, v, profile, device):.3f} ms of host per call ({STEPS} calls)", flush=True)
 
 
 if __name__ == "__main__":
