@@ -230,8 +230,12 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
         x_g = jnp.take(x_g, order, axis=0)
     outputs, dx, acc = _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace, None if sw.keep else order)
     first, n_chunks = layout(size, plan.rows)
+
+    def rows_run(n):  # the rows of a group's first n chunks
+        return first + (n - 1) * plan.rows
+
     if sw.keep and not (isinstance(n_run, int) and n_run == n_chunks):
-        acc = zero_rows_from(acc, first + (n_run - 1) * plan.rows)
+        acc = zero_rows_from(acc, rows_run(n_run))
     if pos is not None:
         outputs = {k: v[pos] for k, v in outputs.items()}
     if finish is not None:
@@ -239,21 +243,20 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
     if sw.keep:
         if "scale" in outputs:
             acc = scale_rows(acc, outputs["scale"] if order is None else outputs["scale"][order])
-        dx, dw, db = _kept_grads(sw, plan, acc, x_g, dw, db, n_run)
+        dx, dw, db = _kept_grads(sw, acc, x_g, dw, db, n_run, n_chunks, rows_run)
         dx = dx if dx is None or pos is None else dx[pos]
     else:
         dw, db = acc
     return outputs, dx, dw, db
 
 
-def _kept_grads(sw, plan, dz, x_g, dw, db, n_run):
-    """The GEMMs over a group's kept dZ, whose rows past the first n_run chunks are 0: on the fused engine over
-    the rows of those chunks, as fce_torch's sweep (a branch per count of chunks where n_run is traced, so
-    that every GEMM has a static shape), on the library engine over all rows."""
-    first, n_chunks = layout(x_g.shape[0], plan.rows)
-
+def _kept_grads(sw, dz, x_g, dw, db, n_run, n_chunks, rows_run):
+    """The GEMMs over a group's kept dZ, whose rows past the first n_run of its n_chunks chunks (`rows_run(n)`
+    rows) are 0: on the fused engine over the rows of those chunks, as fce_torch's sweep (a branch per count
+    of chunks where n_run is traced, so that every GEMM has a static shape), on the library engine over all
+    rows."""
     def over(n):
-        return sw.add(dz, x_g, dw, db, ran=first + (n - 1) * plan.rows)
+        return sw.add(dz, x_g, dw, db, ran=rows_run(n))
 
     if sw.engine != "fused":
         return sw.add(dz, x_g, dw, db)

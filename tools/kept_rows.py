@@ -1,15 +1,16 @@
 """fce_torch and fce_jax on the fused engine with ignored rows (random rows, 0 / 25 / 50 %), on the GPU: fwd+bwd
-time of fce_torch with validate=True and validate=False (CUDA events, 10 calls after 2) and whether the two give
-the same bits of loss, dx and dw (they must: the sweep's chunks past the valid rows, and with a kept dZ the GEMM
-rows of those chunks, are left out only where that adds exact zeros), fce_jax's time (10 calls back to back)
-and whether its bits equal fce_torch's. Shapes: (4096, 4096, 128256) (dZ kept) and (8192, 896, 151936) (dZ
-not kept). One JSON line per case, tagged; the results of bench/results/nvidia-h200/kept-rows-that-ran/.
+time of fce_torch with validate=True and validate=False and of fce_jax (`bench.timing`: torch's CUDA events, JAX
+back to back), whether fce_torch's two give the same bits of loss, dx and dw (they must: the sweep's chunks past
+the valid rows, and with a kept dZ the GEMM rows of those chunks, are left out only where that adds exact zeros),
+and whether fce_jax's bits equal fce_torch's. Shapes: (4096, 4096, 128256) (dZ kept) and (8192, 896, 151936)
+(dZ not kept). One JSON line per case, tagged; the measurements of bench/results/nvidia-h200/kept-rows-that-ran/
+(taken by this tool's first form, which timed 10 calls after 2 with its own loops).
 
 Usage (GPU): python tools/kept_rows.py TAG. A development tool.
 """
 import json
 import sys
-import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,58 +18,25 @@ import torch
 
 import fce_jax
 import fce_torch
+from bench import impls_jax, impls_torch, timing
+from bench.common import Settings
 
 CASES = [(4096, 4096, 128256, 0.5), (4096, 4096, 128256, 0.25), (4096, 4096, 128256, 0.0), (8192, 896, 151936, 0.5)]
-dev = "cuda"
+SETTINGS = Settings(device="cuda", smoke=False, reps=10, warmup=2, impls=None, out=Path("/tmp"))
 
 
 def inputs(n, h, v, ignored_frac, seed):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(n, h, device=dev, generator=g).to(torch.bfloat16)
-    w = (torch.randn(v, h, device=dev, generator=g) / h ** 0.5).to(torch.bfloat16)
-    y = torch.randint(0, v, (n,), device=dev, generator=g)
-    y[torch.rand(n, device=dev, generator=g) < ignored_frac] = -100
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    y[torch.rand(n, device="cuda", generator=g) < ignored_frac] = -100
     return x, w, y
 
 
 def bits(t):
-    return t.detach().float().cpu().numpy().view(np.uint32)
-
-
-def torch_step(x, w, y, validate):
-    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-
-    def step():
-        xr.grad = wr.grad = None
-        loss = fce_torch.fused_lce(xr, wr, y, engine="fused", validate=validate)
-        loss.backward()
-        return loss, xr.grad, wr.grad
-    return step
-
-
-def events_ms(fn, reps=10):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
-
-
-def jax_ms(x, w, y, reps=10):
-    xj, wj, yj = (jax.dlpack.from_dlpack(t) for t in (x, w, y.to(torch.int32)))
-    f = jax.jit(jax.value_and_grad(lambda a, b: fce_jax.fused_lce(a, b, yj, engine="fused"), argnums=(0, 1)))
-    jax.block_until_ready(f(xj, wj))
-    t = time.perf_counter()
-    for _ in range(reps):
-        r = f(xj, wj)
-    jax.block_until_ready(r)
-    out = f(xj, wj)
-    return (time.perf_counter() - t) / reps * 1e3, out
+    return np.asarray(t.detach().float().cpu() if isinstance(t, torch.Tensor) else np.asarray(t, np.float32)
+                      ).view(np.uint32)
 
 
 def main():
@@ -79,13 +47,17 @@ def main():
         row = dict(tag=sys.argv[1], shape=(n, h, v), ignored=frac, n_valid=int((y != -100).sum()))
         got = {}
         for validate in (True, False):
-            step = torch_step(x, w, y, validate)
-            row[f"torch_ms_validate_{validate}"] = events_ms(step)
-            got[validate] = [bits(t) for t in step()]
+            fn = impls_torch.fwd_bwd(lambda a, b, t: fce_torch.fused_lce(a, b, t, engine="fused", validate=validate))
+            row[f"torch_ms_validate_{validate}"] = timing.measure_torch(fn, [(x, w, y)], settings=SETTINGS).ms
+            x.grad = w.grad = None
+            got[validate] = [bits(t) for t in (fn(x, w, y), x.grad, w.grad)]
+        x.grad = w.grad = None
         row["torch_validate_bits_equal"] = all(np.array_equal(a, b) for a, b in zip(got[True], got[False]))
-        row["jax_ms"], (loss_j, (dx_j, dw_j)) = jax_ms(x, w, y)
-        row["twins_bitwise"] = all(np.array_equal(a, np.asarray(b, np.float32).view(np.uint32))
-                                   for a, b in zip(got[True], (loss_j, dx_j, dw_j)))
+        args = [tuple(jax.dlpack.from_dlpack(t.detach()) for t in (x, w, y.to(torch.int32)))]
+        jfn = impls_jax.fwd_bwd(lambda a, b, t: fce_jax.fused_lce(a, b, t, engine="fused"))
+        row["jax_ms"] = timing.measure_jax(jfn, args, settings=SETTINGS).ms
+        loss_j, (dx_j, dw_j) = jax.jit(jfn)(*args[0])
+        row["twins_bitwise"] = all(np.array_equal(a, bits(b)) for a, b in zip(got[True], (loss_j, dx_j, dw_j)))
         print(json.dumps(row), flush=True)
 
 
