@@ -1,5 +1,6 @@
 """Command line: ``python -m bench {op,sft,cpo,logprobs} [--smoke] [--shape N,H,V|anchors]... [--impl NAME]...
-[--out DIR] [--reps K] [--warmup K]``; ``sft`` also takes ``--profile`` (where the step time goes).
+[--out DIR] [--reps K] [--warmup K]``; ``sft`` also takes ``--profile`` (where the step time goes), ``cpo``
+``--pairs B[,B...]``.
 
 Progress goes to stderr (one line per cell), the final table to stdout, and JSON + Markdown + PNG files to
 ``--out`` (default ``bench/results/<gpu-name>/``, ``bench/results/cpu-smoke/`` with ``--smoke``).
@@ -29,6 +30,16 @@ def _shape(text: str) -> tuple[int, int, int] | str:
     return n, h, v
 
 
+def _pairs(text: str) -> tuple[int, ...]:
+    try:
+        pairs = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B[,B...], got {text!r}") from None
+    if not pairs or min(pairs) < 1:
+        raise argparse.ArgumentTypeError(f"pairs must be positive, got {text!r}")
+    return pairs
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--smoke", action="store_true",
@@ -54,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                           "torch run's kernels by category (GEMM, attention, loss, optimizer, other)")
     sft.add_argument("--model", action="append", metavar="NAME",
                      help="run this model of bench.sft.MODELS (repeatable; default: all)")
-    sub.add_parser("cpo", parents=[common], help="the fused linear CPO preference loss")
+    cpo = sub.add_parser("cpo", parents=[common], help="the fused linear CPO preference loss")
+    cpo.add_argument("--pairs", type=_pairs, metavar="B[,B...]",
+                     help="run these numbers of preference pairs (default 1,2,4,8; smoke 1,2)")
     sub.add_parser("logprobs", parents=[common], help="per-token log-probs and entropy, forward+backward")
     return parser
 
@@ -124,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from bench import cpo as mod
 
-        result = mod.run(settings, progress)
+        result = mod.run(settings, progress, pairs=args.pairs)
 
     for path in report.write(result, mod.COLUMNS, mod.PLOTS, settings.out):
         progress.log(f"wrote {path}")

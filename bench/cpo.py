@@ -47,8 +47,10 @@ def _compare(rows: list[dict]) -> None:
         r["dloss"] = rel_diff(r["loss"], base["loss"]) if base and r is not base else None
 
 
-def run(settings: Settings, progress: Progress) -> dict:
-    pairs, t, h, v = (SMOKE_PAIRS, SMOKE_T, SMOKE_H, SMOKE_V) if settings.smoke else (PAIRS, T, H, V)
+def run(settings: Settings, progress: Progress, pairs: tuple[int, ...] | None = None) -> dict:
+    """The table's rows at each number of `pairs` (default PAIRS; smoke SMOKE_PAIRS)."""
+    default, t, h, v = (SMOKE_PAIRS, SMOKE_T, SMOKE_H, SMOKE_V) if settings.smoke else (PAIRS, T, H, V)
+    pairs = pairs or default
     torch_losses, impls_jax, jax_losses, notes = implementations("CPO", settings, progress, beta=BETA, alpha=ALPHA)
 
     rows: list[dict] = []

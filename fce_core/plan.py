@@ -67,16 +67,17 @@ class Plan:
 
     @property
     def puts_valid_first(self) -> bool:
-        """Whether a sweep puts the valid rows first, so that the chunks past them need not run: one group of
-        several chunks. With one chunk every row runs anyway, and keeping the caller's order saves the
-        permutation's copies (at N = 256, H = 4096 the JAX twin's gathered x and scattered dX, 3.5 MiB over
-        Liger + A)."""
-        return self.group_rows is None and layout(self.n_rows, self.rows)[1] > 1
+        """Whether a sweep puts each group's valid rows first within the group, so that the chunks past them
+        need not run: groups of several chunks. With one chunk every row runs anyway, and keeping the caller's
+        order saves the permutation's copies (at N = 256, H = 4096 the JAX twin's gathered x and scattered dX,
+        3.5 MiB over Liger + A)."""
+        return layout(self.group_rows or self.n_rows, self.rows)[1] > 1
 
-    def chunks_to_run(self, n_valid, clip=lambda v, lo, hi: min(hi, max(lo, v))):
-        """The chunks of the single group that hold any of `n_valid` valid rows once those come first (the
-        first chunk always runs); `clip(v, lo, hi)`: the framework's, for a traced count (``jnp.clip``)."""
-        first, n_chunks = layout(self.n_rows, self.rows)
+    def chunks_to_run(self, n_valid, clip=lambda v, lo, hi: min(hi, max(lo, v)), size=None):
+        """The chunks of a group of `size` rows (default: the single group's) that hold any of its `n_valid`
+        valid rows once those come first (the first chunk always runs); `clip(v, lo, hi)`: the framework's,
+        for a traced count (``jnp.clip``)."""
+        first, n_chunks = layout(self.n_rows if size is None else size, self.rows)
         return 1 + clip(-((first - n_valid) // self.rows), 0, n_chunks - 1)
 
 
@@ -130,21 +131,32 @@ def plan_pairs(n_pairs: int, seq_len: int, hidden: int, vocab: int, itemsize: in
                requested: int | None = None, budget: BudgetConfig = BUDGET, engine: str = "library") -> Plan:
     """The plan of a preference loss over 2 * n_pairs sequences of seq_len rows. Its dZ is always kept when
     gradients are asked (a pair's coefficients need all its rows): in one group when the row plan keeps it
-    (or without gradients), else in groups of whole pairs of at most one chunk's rows, with chunks over each
-    group (of the grouped float32 logits budget; for the fused engine, whose tile values go into the kept
-    rows, of its tiles budget) and dW accumulated over the groups."""
+    (or without gradients), else in groups of whole pairs, with chunks over each group (of the grouped float32
+    logits budget; for the fused engine, whose tile values go into the kept rows, of its tiles budget) and dW
+    accumulated over the groups. A group holds at most one chunk's rows, or on the fused engine as many rows
+    as `fused_rows` keeps in one group (`fused_kept_rows`): more chunks per group, so that its valid-first
+    order leaves out more of the prompts' ignored rows, and fewer accumulations of dW."""
     n_rows = 2 * n_pairs * seq_len
     base = plan_rows(n_rows, hidden, vocab, itemsize, need_grads=need_grads, requested=requested, budget=budget,
                      engine=engine)
     if not need_grads or base.keep_dz:
         return base
-    per_group = pairs_per_group(n_pairs, seq_len, base.rows)
+    cap = fused_kept_rows(hidden, itemsize, base.rows) if engine == "fused" else base.rows
+    per_group = pairs_per_group(n_pairs, seq_len, cap)
     group_rows = 2 * per_group * seq_len
     if engine == "fused":
         rows = chunk_rows(group_rows, vocab, requested, budget.tiles, budget.row_multiple, itemsize)
     else:
         rows = chunk_rows(group_rows, vocab, requested, budget.grouped_logits, budget.row_multiple)
     return Plan(n_rows, rows, True, None if per_group >= n_pairs else group_rows)
+
+
+def fused_kept_rows(hidden: int, itemsize: int, rows: int) -> int:
+    """The most rows whose dZ `fused_rows` keeps in one group with chunks of `rows` rows:
+    N * itemsize <= H * (4 - itemsize) + rows * itemsize. A CPO group of that size costs the memory of one
+    such dZ on top of the accumulated dW (at (4 pairs, T = 1024, H = 4096, V = 128256): groups of 2 pairs,
+    1 GiB of dZ with the 1.5 GiB (hi, lo) pair, where Liger's CPO peaks at 3.0 GiB)."""
+    return (hidden * (4 - itemsize)) // itemsize + rows
 
 
 def pairs_per_group(n_pairs: int, seq_len: int, rows: int) -> int:

@@ -12,6 +12,14 @@ def valid_first(xp, y, ignore_index):
     return pos, xp.invert_permutation(pos), n_valid
 
 
+def valid_first_in_groups(xp, y, ignore_index, groups):
+    """`valid_first` within each group of rows [(start, stop)] (a row stays in its group): (order, counts),
+    counts the valid rows of each group (an integer array [n_groups])."""
+    parts = [valid_first(xp, y[g0:g1], ignore_index)[1:] for g0, g1 in groups]
+    order = xp.concat([o + g0 if g0 else o for (o, _), (g0, _) in zip(parts, groups)])
+    return order, xp.stack([n for _, n in parts])
+
+
 def safe_targets(xp, y, vocab):
     """The targets with every one outside [0, vocab) replaced by 0, for reading a row's target column (the
     row's loss is masked, or NaN when y is not ignore_index)."""

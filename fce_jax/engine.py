@@ -144,12 +144,12 @@ class _Sweep:
             return product(dtype)
         return self.comm.sum_parts(product(F32)).astype(dtype)
 
-    def add(self, dz, x_rows, dw, db, ran=None):
+    def add(self, dz, x_rows, dw, db, ran=None, last=False):
         """The GEMMs of some rows' dZ: (dX rows or None, dW (+)= dZ^T X, db + column sums (if given));
-        vocab-parallel, dX from the shards' float32 parts. `ran`: as in fce_torch's `_Grads.add`."""
+        vocab-parallel, dX from the shards' float32 parts. `ran`, `last`: as in fce_torch's `_Grads.add`."""
         need_dx, need_dw, _ = self.grads
         if self.engine == "fused":
-            return self.add_own(dz, x_rows, dw, db, ran)
+            return self.add_own(dz, x_rows, dw, db, ran, last)
         dx = self._dx(lambda dtype: gemm.mm(dz, self.w, dtype), x_rows.dtype) if need_dx else None
         if need_dw:
             dw = (gemm.mm(dz, x_rows, self.w.dtype if self.single else F32, a_t=True) if dw is None
@@ -158,10 +158,10 @@ class _Sweep:
             db = accumulate_bias_grad(dz, db)
         return dx, dw, db
 
-    def add_own(self, dz, x_rows, dw, db, ran=None):
+    def add_own(self, dz, x_rows, dw, db, ran=None, last=False):
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); with `ran`,
-        dX and dW over the first `ran` rows, as in fce_torch's `_Grads._add_own`."""
+        dX and dW over the first `ran` rows, with `last` a pair's hi alone, as in fce_torch's `_Grads._add_own`."""
         need_dx, need_dw, _ = self.grads
         precision = gemm.pallas_precision(dz)
         dx = self._dx(lambda dtype: dx_gemm(dz, self.w, dtype, precision, rows=ran),
@@ -169,8 +169,8 @@ class _Sweep:
         if need_dw and self.single:
             dw = dw_gemm(dz, x_rows, self.w.dtype, precision, rows=ran)
         elif need_dw:
-            dw = dw_first(dz, x_rows, self.w.dtype, precision) if dw is None else \
-                dw_accumulate(dz, x_rows, dw, precision)
+            dw = dw_first(dz, x_rows, self.w.dtype, precision, rows=ran) if dw is None else \
+                dw_accumulate(dz, x_rows, dw, precision, rows=ran, last=last)
         if db is not None:
             db = accumulate_bias_grad(dz, db)
         return dx, dw, db
@@ -220,9 +220,11 @@ def _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace, order=None):
     return out, dx, acc
 
 
-def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, finish, pos=None, order=None):
+def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, finish, pos=None, order=None,
+                last=False):
     """One group of rows: its chunks, finish, and with kept dZ its dX and its share of dW (`dw`: the
-    accumulator, None before the first group). `pos`/`order`: the valid-first permutation of a single group.
+    accumulator, None before the first group; `last`: the last group). `pos`/`order`: the group's valid-first
+    permutation.
     Returns (outputs, dx, dw, db) in the caller's order."""
     size, vocab = x_g.shape[0], sw.w.shape[0]
     acc = jax.ShapeDtypeStruct((size, vocab), sw.dtype) if sw.keep else (dw, db)
@@ -243,20 +245,20 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
     if sw.keep:
         if "scale" in outputs:
             acc = scale_rows(acc, outputs["scale"] if order is None else outputs["scale"][order])
-        dx, dw, db = _kept_grads(sw, acc, x_g, dw, db, n_run, n_chunks, rows_run)
+        dx, dw, db = _kept_grads(sw, acc, x_g, dw, db, n_run, n_chunks, rows_run, last)
         dx = dx if dx is None or pos is None else dx[pos]
     else:
         dw, db = acc
     return outputs, dx, dw, db
 
 
-def _kept_grads(sw, dz, x_g, dw, db, n_run, n_chunks, rows_run):
+def _kept_grads(sw, dz, x_g, dw, db, n_run, n_chunks, rows_run, last=False):
     """The GEMMs over a group's kept dZ, whose rows past the first n_run of its n_chunks chunks (`rows_run(n)`
     rows) are 0: on the fused engine over the rows of those chunks, as fce_torch's sweep (a branch per count
     of chunks where n_run is traced, so that every GEMM has a static shape), on the library engine over all
     rows."""
     def over(n):
-        return sw.add(dz, x_g, dw, db, ran=rows_run(n))
+        return sw.add(dz, x_g, dw, db, ran=rows_run(n), last=last)
 
     if sw.engine != "fused":
         return sw.add(dz, x_g, dw, db)
@@ -272,11 +274,11 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
     dw is float32 when accumulated over several chunks or groups, in the weight's dtype otherwise.
 
-    Ignored rows (y == ignore_index) are skipped when the plan has one group of several chunks
-    (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`), the valid ones counted on the
-    device, and the full chunks past the last valid row never run (a loop with a traced trip count, unless
-    every chunk runs: the group under a `lax.cond`, NUMERICS.md); their
-    outputs are 0 (so every head output must be per row), their dX rows too. With the plan's kept dZ the dX
+    Ignored rows (y == ignore_index) are skipped when the plan's groups have several chunks
+    (`Plan.puts_valid_first`): each group's rows are put valid-first within it (`valid_first`), the valid
+    ones counted on the device, and the group's full chunks past its last valid row never run (a loop with a
+    traced trip count; for the single group, unless every chunk runs: the group under a `lax.cond`,
+    NUMERICS.md); their outputs are 0 (so every head output must be per row), their dX rows too. With the plan's kept dZ the dX
     and dW GEMMs run once per group, as in fce_torch: on the fused engine over the rows of the chunks that ran
     (`_kept_grads`), on the library engine over all rows.
 
@@ -298,40 +300,50 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     sw = _Sweep(w, bias, class_weights, head, transform, grads, plan.keep_dz and need, plan.single_product(need),
                 x.dtype, comm, engine, weights)
     db = zeros_like_shard((w.shape[0],), F32, w) if grads[2] else None
-    if plan.group_rows is None:
+
+    def valid_first_pass(x_g, inputs_g, dw, db, trace, whole=False, last=False):
+        """One group, its rows valid-first within it where the plan says so (`whole`: the single group,
+        under the `lax.cond` below; `last`: the last of several)."""
+        size = x_g.shape[0]
         pos = order = None
-        inputs_g, n_run = inputs, 1
+        sorted_inputs, n_run = inputs_g, layout(size, plan.rows)[1]
         if plan.puts_valid_first:
-            pos, order, n_valid = valid_first(inputs["y"], ignore_index)
-            inputs_g = {k: jnp.take(v, order, axis=0) for k, v in inputs.items()}  # also numpy or literal inputs
-            n_run = plan.chunks_to_run(n_valid, jnp.clip)
-        group = functools.partial(_group_pass, sw, plan, x, inputs_g, inputs, dw=None, db=db, trace=trace,
-                                  finish=finish, pos=pos, order=order)
-        n_chunks = layout(plan.n_rows, plan.rows)[1]
-        if isinstance(n_run, int) or trace is not None:
-            outputs, dx, dw, db = group(n_run)
-        else:
-            # XLA reads a traced loop bound on the host before every step of the loop, and the device idles
-            # until the host has queued the step. Where every chunk runs (no row ignored) a loop of known
-            # length does the same steps, queued at once: one read of the count instead of one per chunk.
-            # Around the whole group, so that no buffer that the chunks update in place enters the branches
-            # (XLA would copy it).
-            outputs, dx, dw, db = lax.cond(n_run == n_chunks, lambda: group(n_chunks), lambda: group(n_run))
+            pos, order, n_valid = valid_first(inputs_g["y"], ignore_index)
+            sorted_inputs = {k: jnp.take(v, order, axis=0) for k, v in inputs_g.items()}  # also numpy inputs
+            n_run = plan.chunks_to_run(n_valid, jnp.clip, size)
+        group = functools.partial(_group_pass, sw, plan, x_g, sorted_inputs, inputs_g, dw=dw, db=db, trace=trace,
+                                  finish=finish, pos=pos, order=order, last=last)
+        if isinstance(n_run, int) or trace is not None or not whole:
+            return group(n_run)
+        # XLA reads a traced loop bound on the host before every step of the loop, and the device idles until
+        # the host has queued the step. Where every chunk runs (no row ignored) a loop of known length does the
+        # same steps, queued at once: one read of the count instead of one per chunk. Around the whole group,
+        # so that no buffer that the chunks update in place enters the branches (XLA would copy it): hence only
+        # for the single group, whose dW accumulator does not exist before it.
+        n_chunks = layout(size, plan.rows)[1]
+        return lax.cond(n_run == n_chunks, lambda: group(n_chunks), lambda: group(n_run))
+
+    if plan.group_rows is None:
+        outputs, dx, dw, db = valid_first_pass(x, inputs, None, db, trace, whole=True)
         return outputs, dx, _weight_grad(dw), db
     g_first, n_groups = layout(plan.n_rows, plan.group_rows)
 
-    def later_group(i, carry):
-        dw, db = carry
-        sl = functools.partial(lax.dynamic_slice_in_dim, start_index=g_first + (i - 1) * plan.group_rows,
-                               slice_size=plan.group_rows)
-        group_inputs = {k: sl(v) for k, v in inputs.items()}
-        outputs, dx, dw, db = _group_pass(sw, plan, sl(x), group_inputs, group_inputs,
-                                          layout(plan.group_rows, plan.rows)[1], dw, db, None, finish)
+    def group_at(start, dw, db, last=False):
+        sl = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=plan.group_rows)
+        return valid_first_pass(sl(x), {k: sl(v) for k, v in inputs.items()}, dw, db, None, last=last)
+
+    def middle_group(i, carry):
+        outputs, dx, dw, db = group_at(g_first + (i - 1) * plan.group_rows, *carry)
         return (dw, db), (outputs, dx)
 
-    first_inputs = {k: v[:g_first] for k, v in inputs.items()}
-    outputs, dx, dw, db = _group_pass(sw, plan, x[:g_first], first_inputs, first_inputs,
-                                      layout(g_first, plan.rows)[1], None, db, trace, finish)
-    (dw, db), stacked = stack_loop(later_group, 1, n_groups, (dw, db), n_groups - 1)
-    outputs, dx = _flat((outputs, dx), stacked)
+    # The first group starts dW, the middle ones (a loop) add to it, the last ends it: after its product only
+    # the (hi, lo) pair's hi is used, so its lo is only read (`dw_accumulate(last=True)`), which XLA would
+    # otherwise copy (its update unused) before the GEMM writes it in place.
+    outputs, dx, dw, db = valid_first_pass(x[:g_first], {k: v[:g_first] for k, v in inputs.items()}, None, db,
+                                           trace)
+    if n_groups > 2:
+        (dw, db), stacked = stack_loop(middle_group, 1, n_groups - 1, (dw, db), n_groups - 2)
+        outputs, dx = _flat((outputs, dx), stacked)
+    last_outputs, last_dx, dw, db = group_at(plan.n_rows - plan.group_rows, dw, db, last=True)
+    outputs, dx = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), (outputs, dx), (last_outputs, last_dx))
     return outputs, dx, _weight_grad(dw), db

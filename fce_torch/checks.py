@@ -27,13 +27,37 @@ def check_tensors(x, weight, targets, bias=None, class_weights=None):
     return hidden, vocab
 
 
+class HostRead:
+    """A small device tensor's values for the host, copied to pinned memory behind the work queued so far: `get`
+    waits for the device to reach the copy, not for the work queued after it."""
+
+    def __init__(self, t):
+        self._ready = None
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = t
+        self._values = None
+
+    def get(self):
+        """The values as a list (the host waits here, the first time)."""
+        if self._values is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._values = self._host.tolist()
+        return self._values
+
+
 class ValueCheck:
     """fce_torch's one host check of the values (targets outside [0, V) other than ignore_index, non-finite
     class weights: ValueError), started on the device and read by the host when the engine first needs the
-    count of valid rows (`valid_rows`), at the latest at the end of its sweep. The flags go to pinned memory
-    behind the check's launch, so the host waits for the device to reach the check, not for the work queued
-    after it: a synchronization before the first chunk left the device idle while the host set that chunk up
-    (about 0.8 ms a step at (16384, 2048, 128256), bench/results/nvidia-h200/epilogue-overlap/).
+    count of valid rows (`valid_rows`), at the latest at the end of its sweep. The flags reach the host through
+    a `HostRead`, so the host waits for the device to reach the check, not for the work queued after it: a
+    synchronization before the first chunk left the device idle while the host set that chunk up (about
+    0.8 ms a step at (16384, 2048, 128256), bench/results/nvidia-h200/epilogue-overlap/).
     Every kernel reads targets outside [0, V) as 0, so work launched before the error is raised is harmless.
 
     `scalars`: the FLCE reduction scalars float32 [n, n, V] on the device (`kernels.value_flags`)."""
@@ -41,26 +65,14 @@ class ValueCheck:
     def __init__(self, targets, vocab, ignore_index, class_weights=None):
         self.vocab, self.ignore_index = vocab, ignore_index
         flags, self.scalars = value_flags(targets, vocab, ignore_index, class_weights)
-        self._ready = None
-        if flags.is_cuda:
-            self._flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            self._flags.copy_(flags, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._flags = flags
-        self._count = None
+        self._flags = HostRead(flags)
 
     def valid_rows(self):
         """The number of targets that are not ignore_index (the host waits for the check here, once); raises
         ValueError for a target outside [0, V) or a non-finite class weight."""
-        if self._count is None:
-            if self._ready is not None:
-                self._ready.synchronize()
-            flags = self._flags.tolist()
-            if flags[0]:
-                raise target_error(self.vocab, self.ignore_index)
-            if len(flags) > 2 and flags[2]:
-                raise class_weights_error()
-            self._count = flags[1]
-        return self._count
+        flags = self._flags.get()
+        if flags[0]:
+            raise target_error(self.vocab, self.ignore_index)
+        if len(flags) > 2 and flags[2]:
+            raise class_weights_error()
+        return flags[1]

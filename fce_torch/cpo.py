@@ -53,6 +53,21 @@ def _finish_pairs(outputs, inputs, *, opt, scalars):
             "reward_c": out["reward"][:n_pairs].clone(), "reward_r": out["reward"][n_pairs:].clone()}
 
 
+def _pair_order(n_pairs, seq_len, plan, device):
+    """`fce_core.plan.pair_order` made on the device: a copy of the host list would wait for the device to
+    finish the work queued before the call (a pageable copy synchronizes its stream), leaving the device idle
+    while the host sets up the rest of the call; and a CUDA graph may not hold host data."""
+    per = plan.group_rows // (2 * seq_len)
+    first = n_pairs - (-(-n_pairs // per) - 1) * per
+    j = torch.arange(2 * n_pairs, device=device)
+    later = (j - 2 * first).clamp(min=0)
+    in_first = j < 2 * first
+    start = torch.where(in_first, 0, first + later // (2 * per) * per)
+    size = torch.where(in_first, first, per)
+    offset = torch.where(in_first, j, later % (2 * per))
+    return torch.where(offset < size, start + offset, n_pairs + start + offset - size)
+
+
 def _unpermute(t, order, seqs):
     """t's sequences (shape `seqs` = [2B, T, ...]) from group order back to the caller's."""
     return torch.empty_like(t).view(seqs).index_copy_(0, order, t.view(seqs)).view(t.shape)
@@ -71,7 +86,7 @@ def _cpo(x, w, bias, y, opt, validate, comm, needs):
     order = pair_order(n_pairs, seq_len, plan)
     seqs = (2 * n_pairs, seq_len, x.shape[1])
     if order is not None:
-        order = torch.tensor(order, device=x.device)
+        order = _pair_order(n_pairs, seq_len, plan, x.device)
         x, y = x.view(seqs)[order].view(x.shape), y.view(seqs[:2])[order].view(y.shape)
     finish = lambda outputs, inputs: _finish_pairs(outputs, inputs, opt=opt, scalars=scalars)  # noqa: E731
     out, dx, dw, db = sweep(x, w, bias, None, _token_head(opt.ignore_index, scalars, vocab), {"y": y}, plan,
@@ -119,7 +134,7 @@ cpo = register_precomputed(cpo_op, _cpo_body, 6)
 @doc(docs.CPO_SUMMARY, docs.CPO_ARGS, framework_args="""\
     vocab_parallel: a `fce_torch.VocabParallel(group)` (or a DTensor weight sharded over V), as in `fused_lce`.
     validate: check the targets are in range (one host synchronization, which also counts the valid tokens so
-        that the ignored ones are skipped when all rows go in one group); False for CUDA graphs.
+        that the chunks holding only ignored tokens are skipped); False for CUDA graphs.
 """, returns="""The float32 scalar loss (and the stats dict). Gradients flow to ``x``, ``weight`` and ``bias``. Works
 under ``torch.compile`` (``fullgraph=True`` too).""", raises="""ValueError: naming the argument for an odd batch,
     shape/dtype mismatches, bad options, out-of-range targets.""")

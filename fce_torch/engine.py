@@ -10,9 +10,11 @@ import torch
 
 from fce_core.rows import safe_targets, target_logits, tile_weights
 from fce_core.rows import valid_first as valid_first_of
+from fce_core.rows import valid_first_in_groups as valid_first_in_groups_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 
 from . import arrays, gemm
+from .checks import HostRead
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .kernels.fastmath import ASM
 from .kernels.grad_gemms import dw_accumulate, dw_first, dw_gemm, dx_gemm
@@ -27,6 +29,11 @@ F32 = torch.float32
 def valid_first(y, ignore_index):
     """`fce_core.rows.valid_first` on this framework's arrays: (pos, order, n_valid)."""
     return valid_first_of(arrays, y, ignore_index)
+
+
+def valid_first_in_groups(y, ignore_index, groups):
+    """`fce_core.rows.valid_first_in_groups` on this framework's arrays: (order, counts)."""
+    return valid_first_in_groups_of(arrays, y, ignore_index, groups)
 
 
 def _rows_back(t, order, n_rows):
@@ -87,12 +94,13 @@ class _Grads:
         if self.order is not None:
             self.dx.index_copy_(0, self.order[r0:r1], dx)
 
-    def add(self, dz, r0, r1, x_rows, ran=None):
+    def add(self, dz, r0, r1, x_rows, ran=None, last=False):
         """The GEMMs of the dZ of rows [r0, r1), x_rows = `rows(r0, r1)` (vocab-parallel: dX from the shards'
         float32 parts). `ran`: a kept dZ's rows past its first `ran` did not run (they are 0), which the fused
-        engine's dX and dW leave out (`_add_own`)."""
+        engine's dX and dW leave out (`_add_own`); `last`: no product follows (the fused engine's (hi, lo)
+        pair then writes hi alone)."""
         if self.own:
-            return self._add_own(dz, r0, r1, x_rows, ran)
+            return self._add_own(dz, r0, r1, x_rows, ran, last)
         if self.need_dx:
             self._dx(r0, r1, lambda out: gemm.mm(dz, self.w, out.dtype, out=out))
         if self.need_dw:
@@ -103,7 +111,7 @@ class _Grads:
         if self.db is not None:
             accumulate_bias_grad(dz, self.db)
 
-    def _add_own(self, dz, r0, r1, x_rows, ran=None):
+    def _add_own(self, dz, r0, r1, x_rows, ran=None, last=False):
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); vocab-parallel,
         dX from the shards' float32 parts as in `add`. With `ran`, dX is 0 past those rows and dW's K is
@@ -115,9 +123,9 @@ class _Grads:
             if self.single:
                 self.dw = dw_gemm(dz, x_rows, self.w.dtype, precision, rows=ran)
             elif self.dw is None:
-                self.dw = dw_first(dz, x_rows, self.w.dtype, precision)
+                self.dw = dw_first(dz, x_rows, self.w.dtype, precision, rows=ran)
             else:
-                dw_accumulate(dz, x_rows, self.dw, precision)
+                self.dw = dw_accumulate(dz, x_rows, self.dw, precision, rows=ran, last=last)
         if self.db is not None:
             accumulate_bias_grad(dz, self.db)
 
@@ -133,12 +141,13 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
     dw is float32 when accumulated over several chunks or groups, in the weight's dtype otherwise.
 
-    Ignored rows (y == ignore_index) are skipped when the plan has one group of several chunks
-    (`Plan.puts_valid_first`): the rows are put valid-first (`valid_first`), and with the value check
-    (`check`, a `checks.ValueCheck`) the full chunks past the last valid row never run; their outputs are 0
-    (so every head output must be per row), their dX rows too. The sweep reads the check's count once the
-    first chunk is queued (or, without valid-first, once every chunk is); where it says that no row is
-    ignored, the chunks after the first take the caller's rows directly (the same rows). Without the check
+    Ignored rows (y == ignore_index) are skipped when the plan's groups have several chunks
+    (`Plan.puts_valid_first`): each group's rows are put valid-first within it (`valid_first_in_groups`),
+    and with the value check (`check`, a `checks.ValueCheck`) a group's full chunks past its last valid row
+    never run; their outputs are 0 (so every head output must be per row), their dX rows too. The sweep reads
+    the check's count (and the groups' counts, through a `checks.HostRead` queued before the first chunk)
+    once the first chunk is queued (or, without valid-first, once every chunk is); where it says that no row
+    is ignored, the chunks after the first take the caller's rows directly (the same rows). Without the check
     every chunk runs: an ignored row's dZ is exactly 0, so the bits are the same either way. With the plan's kept
     dZ the dX and dW GEMMs run once per group (rows that did not run hold zeros): on the fused engine over the
     rows of the chunks that ran, whose left-out K steps would add exact zeros (the same bits,
@@ -154,43 +163,46 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     """
     n_rows = x.shape[0]
     keep = plan.keep_dz and any(grads)
-    order, n_run, caller_inputs = None, None, inputs
+    groups = plan.groups
+    order, counts, n_run, caller_inputs = None, None, None, inputs
     if plan.puts_valid_first:
-        _, order, _ = valid_first(inputs["y"], ignore_index)
+        order, counts = valid_first_in_groups(inputs["y"], ignore_index, groups)
+        counts = None if check is None or len(groups) == 1 else HostRead(counts)
         inputs = {k: v[order] for k, v in inputs.items()}
         if keep:  # the GEMMs over the kept dZ take all rows valid-first
             x = x[order]
-    groups = plan.groups
     acc = _Grads(x, w, grads, single=plan.single_product(any(grads)), comm=comm, own=engine == "fused",
                  order=None if keep else order)
     run = (_FusedChunkRunner if engine == "fused" else _ChunkRunner)(w, bias, class_weights, head, transform, grads,
                                                                     trace, comm)
     outs = []
-    for g0, g1 in groups:
+    for g, (g0, g1) in enumerate(groups):
         chunks = plan.chunks(g1 - g0)
         dz_rows = x.new_empty(g1 - g0, w.shape[0]) if keep else None
         pieces = []
         for r0, r1 in chunks:
-            if len(pieces) == n_run:
+            if n_run is not None and len(pieces) == n_run[g]:
                 break
             pieces.append(run(acc.rows(g0 + r0, g0 + r1), {k: v[g0 + r0:g0 + r1] for k, v in inputs.items()},
                               None if keep else (acc, g0 + r0, g0 + r1), None if dz_rows is None else dz_rows[r0:r1]))
-            if order is not None and check is not None and n_run is None:  # one chunk queued: the count now
+            if order is not None and check is not None and n_run is None:  # one chunk queued: the counts now
                 n_valid = check.valid_rows()
-                n_run = plan.chunks_to_run(n_valid)
+                group_valid = [n_valid] if counts is None else counts.get()
+                n_run = [plan.chunks_to_run(n, size=b1 - b0) for n, (b0, b1) in zip(group_valid, groups)]
                 if n_valid == n_rows:  # valid-first is the caller's order: the rest takes the caller's rows
                     order, inputs, acc.order = None, caller_inputs, None
         if len(pieces) < len(chunks) and not keep:
             acc.skip(g0 + chunks[len(pieces)][0])
         chunks = chunks[:len(pieces)]
-        out = _outputs(pieces, order, n_rows)
+        group_order = None if order is None else order[g0:g1] - g0 if g0 else order[:g1]
+        out = _outputs(pieces, group_order, g1 - g0)
         if finish is not None:
             out.update(finish(out, {k: v[g0:g1] for k, v in caller_inputs.items()}))
         if keep:
             dz_rows[chunks[-1][1]:].zero_()
             if "scale" in out:
-                scale_rows(dz_rows, out["scale"] if order is None else out["scale"][order])
-            acc.add(dz_rows, g0, g1, acc.rows(g0, g1), ran=chunks[-1][1])
+                scale_rows(dz_rows, out["scale"] if group_order is None else out["scale"][group_order])
+            acc.add(dz_rows, g0, g1, acc.rows(g0, g1), ran=chunks[-1][1], last=g == len(groups) - 1)
             dz_rows = None  # released before the next group allocates its own
         outs.append(out)
     if check is not None:

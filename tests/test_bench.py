@@ -232,3 +232,14 @@ def test_jax_calls_run_back_to_back_one_queued():
     assert log == [("call", 1), ("call", 1), ("wait", 1), ("call", 2), ("wait", 1), ("call", 3), ("wait", 2),
                    ("wait", 3)]
     assert timing._back_to_back(compiled, []) == []
+
+
+def test_cpo_pairs_option():
+    """``python -m bench cpo --pairs 4,8`` runs those pair counts; anything but positive integers is refused."""
+    from bench.__main__ import _parser
+
+    assert _parser().parse_args(["cpo", "--pairs", "4,8"]).pairs == (4, 8)
+    assert _parser().parse_args(["cpo"]).pairs is None
+    for bad in ("0", "4,x", ""):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["cpo", "--pairs", bad])

@@ -177,6 +177,81 @@ def test_chunks_cutting_pairs_twins_agree_and_no_grad_matches():
         assert fce_torch.fused_cpo_loss(x, w, y, bias=b, chunk_rows=7).item() == a["loss"]
 
 
+def _count_chunks(monkeypatch, engine):
+    """Patch both twins' chunk logits GEMMs (the fused engine's `logit_tiles`, the library engine's float32
+    [rows, V] `gemm.mm`) to record the rows of every one that runs (JAX: a runtime callback)."""
+    import jax
+
+    import fce_jax.engine as jax_engine
+    import fce_torch.engine as torch_engine
+
+    calls = {"torch": [], "jax": []}
+
+    def torch_logits(a, bt, dtype, out=None, _real=torch_engine.gemm.mm):
+        if dtype == torch.float32 and bt.shape[-1] == 130:
+            calls["torch"].append(a.shape[0])
+        return _real(a, bt, dtype, out=out)
+
+    def jax_logits(a, b, dtype, *, a_t=False, b_t=False, _real=jax_engine.gemm.mm):
+        if b_t and not a_t and dtype == np.float32:
+            jax.debug.callback(lambda rows=a.shape[0]: calls["jax"].append(rows))
+        return _real(a, b, dtype, a_t=a_t, b_t=b_t)
+
+    def tiles(twin, real):
+        def run(x_c, *a, **k):
+            if twin == "torch":
+                calls[twin].append(x_c.shape[0])
+            else:
+                jax.debug.callback(lambda rows=x_c.shape[0]: calls[twin].append(rows))
+            return real(x_c, *a, **k)
+        return run
+
+    if engine == "library":
+        monkeypatch.setattr(torch_engine.gemm, "mm", torch_logits)
+        monkeypatch.setattr(jax_engine.gemm, "mm", jax_logits)
+    else:
+        monkeypatch.setattr(torch_engine, "logit_tiles", tiles("torch", torch_engine.logit_tiles))
+        monkeypatch.setattr(jax_engine, "logit_tiles", tiles("jax", jax_engine.logit_tiles))
+    return calls
+
+
+@pytest.mark.parametrize("engine,hidden,groups,chunks_run", [("library", 16, [1, 1, 1], [2, 2, 1]),
+                                                              ("fused", 32, [1, 2], [2, 3])])
+def test_groups_of_pairs_skip_their_ignored_chunks(engine, hidden, groups, chunks_run, monkeypatch):
+    """In groups of pairs, each group's rows go valid-first within it and its chunks past them never run:
+    chunks of 4 rows over 8-token sequences whose first 5 tokens are ignored (the last rejected one wholly),
+    so a pair's 6 valid rows fill 2 of its 4 chunks. On the fused engine (bfloat16, H = 32) a group holds as
+    many rows as `fused_rows` would keep (36: 2 pairs), the library engine's one chunk's (1 pair).
+    Only those chunks' logits GEMMs run (fce_torch with validate; fce_jax); the bits of every output are those
+    of fce_torch's validate=False and of fce_jax's run with every chunk made to run; within the reference."""
+    x, w, _, b = make(pairs=3, seq=8, hidden=hidden, dtype=torch.bfloat16, seed=11, bias=True)
+    y = torch.randint(0, 130, (6, 8), generator=torch.Generator().manual_seed(11))
+    y[:, :5] = IGNORE
+    y[5] = IGNORE
+    plan = plan_pairs(3, 8, hidden, 130, 2, need_grads=True, requested=4, engine=engine)
+    assert [(g1 - g0) // 16 for g0, g1 in plan.groups] == groups and plan.rows == 4 and plan.puts_valid_first
+    calls = _count_chunks(monkeypatch, engine)
+    kw = dict(chunk_rows=4, engine=engine, beta=0.5, label_smoothing=0.1)
+    ref = cpo_reference(x, w, y, bias=b, beta=0.5, label_smoothing=0.1)
+    runs = {}
+    for name, twin, extra in (("skipped", run_torch, {}), ("every", run_torch, dict(validate=False)),
+                              ("jax_skipped", run_jax, dict(fresh=True))):
+        calls["torch"].clear()
+        calls["jax"].clear()
+        runs[name] = twin(x, w, y, b, **kw, **extra)
+        ran = calls["jax" if name.startswith("jax") else "torch"]
+        assert ran == [4] * (4 * sum(groups) if name == "every" else sum(chunks_run)), (name, ran)
+    monkeypatch.setattr(Plan, "chunks_to_run",
+                        lambda self, n_valid, clip=None, size=None: layout(size or self.n_rows, self.rows)[1])
+    runs["jax_every"] = run_jax(x, w, y, b, fresh=True, **kw)
+    for a, e in (("skipped", "every"), ("jax_skipped", "jax_every")):
+        for k in runs[a]:
+            assert (runs[a][k] is None) == (runs[e][k] is None), k
+            if runs[a][k] is not None:
+                assert np.array_equal(runs[a][k], runs[e][k]), (a, k)
+        assert_close_to_reference(runs[a], ref, "bfloat16")
+
+
 @pytest.mark.parametrize("twin", TWINS)
 @pytest.mark.parametrize("chunk_rows,groups", [(7, [1, 1, 1]), (20, [1, 2])])
 def test_groups_of_pairs(twin, chunk_rows, groups):

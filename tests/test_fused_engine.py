@@ -724,7 +724,8 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
     dX over several V slices and in one, dW written, and dW accumulated over two chunks (the (hi, lo) pair for
     bfloat16, float32 for float16). On exact-sum operands each is bit for bit the exact result rounded as the
     contract says, as are the Pallas Triton kernels and fce_torch's; also with 256-wide tiles, whose loaded C
-    blocks (ADD, PAIR) outnumber the two shared-memory slots. Ragged everywhere: 37 rows, V = 296 (K
+    blocks (ADD, PAIR) outnumber the two shared-memory slots. The last accumulation (`last=True`) gives the
+    same dW, a pair's hi, without writing its lo (fce_torch's lo keeps dw_first's bits). Ragged everywhere: 37 rows, V = 296 (K
     not a multiple of tile_k; rows still of whole 16 bytes, as TMA needs, the int8 lo plane's too), H = 144 (not a
     multiple of tile_n), chunks of 20 and 17 rows (dW's K)."""
     import jax.numpy as jnp
@@ -744,13 +745,15 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
     want = {"dx": exact_dx.to(dt), "dx_one_slice": (dz[:, :200].double() @ w[:200].double()).to(dt),
             "dw": (sums[0] + sums[1]).to(dt),
             "acc": _pair_after(sums) if dt == torch.bfloat16 else ((sums[0] + sums[1]).float(),)}
+    want["last"] = want["acc"][0]
 
     def jax_run(cfg):
         jdt = getattr(jnp, dtype)
 
         def f(dz, w, x):
             acc = jg.dw_accumulate(dz[20:], x[20:], jg.dw_first(dz[:20], x[:20], jdt, cfg=cfg), cfg=cfg)
-            return {"dx": jg.dx_gemm(dz, w, jdt, cfg=cfg),
+            last = jg.dw_accumulate(dz[20:], x[20:], jg.dw_first(dz[:20], x[:20], jdt, cfg=cfg), cfg=cfg, last=True)
+            return {"dx": jg.dx_gemm(dz, w, jdt, cfg=cfg), "last": last,
                     "dx_one_slice": jg.dx_gemm(dz[:, :200], w[:200], jdt, cfg=cfg),
                     "dw": jg.dw_gemm(dz, x, jdt, cfg=cfg), "acc": acc if isinstance(acc, tuple) else (acc,)}
 
@@ -759,13 +762,19 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
                 for k, a in out.items()}
 
     acc = tg.dw_accumulate(dz[20:], x[20:], tg.dw_first(dz[:20], x[:20], dt))
+    first = tg.dw_first(dz[:20], x[:20], dt)
+    lo_before = first[1].clone() if isinstance(first, tuple) else None
+    last = tg.dw_accumulate(dz[20:], x[20:], first, last=True)
+    if lo_before is not None:
+        assert torch.equal(first[1], lo_before)
     wide = dataclasses.replace(GRAD_GEMM_MOSAIC_INTERPRETER, tile_n=256)  # 4 loaded blocks: slots refilled
     runs = {"jax mosaic": jax_run(GRAD_GEMM_MOSAIC_INTERPRETER), "jax mosaic wide": jax_run(wide),
             "jax triton": jax_run(GRAD_GEMM_INTERPRETER),
             "torch": {"dx": tg.dx_gemm(dz, w, torch.empty(n, hidden, dtype=dt)),
                       "dx_one_slice": tg.dx_gemm(dz[:, :200].contiguous(), w[:200],
                                                  torch.empty(n, hidden, dtype=dt)),
-                      "dw": tg.dw_gemm(dz, x, dt), "acc": acc if isinstance(acc, tuple) else (acc,)}}
+                      "dw": tg.dw_gemm(dz, x, dt), "acc": acc if isinstance(acc, tuple) else (acc,),
+                      "last": last}}
     for impl, got in runs.items():
         for key, expected in want.items():
             pairs = zip(got[key], expected) if key == "acc" else [(got[key], expected)]

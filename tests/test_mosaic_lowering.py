@@ -43,6 +43,10 @@ CASES = {  # name: (function of the operands, operand shapes and dtypes)
     "(hi, lo) accumulated": (lambda dz, x, hi, lo: grad_gemms.dw_accumulate(dz, x, (hi, lo), cfg=GRAD_GEMM_MOSAIC),
                              [((1024, 128256), BF16), ((1024, 4096), BF16), ((128256, 4096), BF16),
                               ((128256, 4096), jnp.int8)]),
+    "(hi, lo) last": (lambda dz, x, hi, lo: grad_gemms.dw_accumulate(dz, x, (hi, lo), cfg=GRAD_GEMM_MOSAIC,
+                                                                     last=True),
+                      [((1024, 128256), BF16), ((1024, 4096), BF16), ((128256, 4096), BF16),
+                       ((128256, 4096), jnp.int8)]),
     "float32 accumulated": (lambda dz, x, acc: grad_gemms.dw_accumulate(dz, x, acc, cfg=GRAD_GEMM_MOSAIC),
                             [((512, 262144), F16), ((512, 640), F16), ((262144, 640), jnp.float32)]),
 }

@@ -220,6 +220,36 @@ def test_plan_pairs_rule(n_pairs, seq_len, h, itemsize, requested):
         plan_rows(n_rows, h, v, itemsize, need_grads=False, requested=requested)
 
 
+@pytest.mark.parametrize("n_pairs,seq_len,h,itemsize,requested", list(itertools.product(
+    [1, 3, 8], [5, 64], [16, 64, 4096], [2, 4], [None, 7, 300])))
+def test_plan_pairs_fused_rule(n_pairs, seq_len, h, itemsize, requested):
+    """The fused engine's CPO groups: whole pairs of at most as many rows as `fused_rows` keeps in one group,
+    N * itemsize <= H * (4 - itemsize) + rows * itemsize (at least one pair), chunks from its tiles budget;
+    every group of several chunks puts its valid rows first."""
+    v = 130
+    n_rows = 2 * n_pairs * seq_len
+    p = plan_pairs(n_pairs, seq_len, h, v, itemsize, need_grads=True, requested=requested, engine="fused")
+    base = plan_rows(n_rows, h, v, itemsize, need_grads=True, requested=requested, engine="fused")
+    if base.keep_dz:
+        assert p == base
+        return
+    cap = max(r for r in range(1, n_rows + 1) if r * itemsize <= h * (4 - itemsize) + base.rows * itemsize)
+    per_group = min(n_pairs, max(1, cap // (2 * seq_len)))
+    group_rows = 2 * per_group * seq_len
+    assert p.group_rows == (None if per_group == n_pairs else group_rows) and p.keep_dz
+    assert p.rows == chunk_rows(group_rows, v, requested, BUDGET.tiles, logit_bytes=itemsize)
+    assert p.puts_valid_first == (layout(group_rows, p.rows)[1] > 1)
+
+
+@pytest.mark.parametrize("n_pairs,per_group", [(3, 1), (3, 2), (5, 2), (8, 2), (7, 3)])
+def test_torch_pair_order_on_the_device(n_pairs, per_group):
+    """fce_torch's CPO makes `pair_order` on the device (no host copy that would wait for the device)."""
+    from fce_torch.cpo import _pair_order
+
+    plan = Plan(2 * n_pairs * 4, 7, True, 2 * per_group * 4)
+    assert _pair_order(n_pairs, 4, plan, "cpu").tolist() == pair_order(n_pairs, 4, plan)
+
+
 @pytest.mark.parametrize("n_pairs,per_group", [(3, 1), (3, 2), (5, 2), (4, 4)])
 def test_pair_order(n_pairs, per_group):
     """The sequences of each group of whole pairs together (its chosen, then its rejected ones), the groups in
@@ -472,7 +502,8 @@ def test_fused_kept_grads_run_over_the_chunks_that_ran(monkeypatch):
     c = JAX.run(inp, case.options(), chunk_rows=8, engine="fused", fresh=True)
     assert sorted(set(rows["jax"])) == [(name, 8 * n) for name in ("dw_gemm", "dx_gemm") for n in range(1, 9)]
     rows["jax"].clear()
-    monkeypatch.setattr(Plan, "chunks_to_run", lambda self, n_valid, clip=None: layout(self.n_rows, self.rows)[1])
+    monkeypatch.setattr(Plan, "chunks_to_run",
+                        lambda self, n_valid, clip=None, size=None: layout(size or self.n_rows, self.rows)[1])
     d = JAX.run(inp, case.options(), chunk_rows=8, engine="fused", fresh=True)   # every chunk runs
     assert sorted(set(rows["jax"])) == [("dw_gemm", 64), ("dx_gemm", 64)], rows["jax"]
     for k in c:

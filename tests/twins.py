@@ -183,8 +183,8 @@ class TorchTwin(Twin):
             res["db"] = gs[2] if bias is not None else None
         return res
 
-    def cpo(self, x, w, y, b=None, **kw) -> dict:
-        """fused_cpo_loss with its stats and backward; float64 numpy results."""
+    def cpo(self, x, w, y, b=None, fresh=False, **kw) -> dict:
+        """fused_cpo_loss with its stats and backward; float64 numpy results (`fresh`: as JAX's, no effect)."""
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         bs = None if b is None else b.clone().requires_grad_()
         loss, stats = self.lib.fused_cpo_loss(xs, ws, y, bias=bs, return_stats=True, **kw)
@@ -355,13 +355,13 @@ class JaxTwin(Twin):
         """The plain (eager) call: concrete targets, so the value check runs."""
         return self.lib.fused_token_logprobs(x, w, t, **kw)
 
-    def cpo(self, x, w, y, b=None, **kw) -> dict:
+    def cpo(self, x, w, y, b=None, fresh=False, **kw) -> dict:
         """jax.jit(jax.value_and_grad) of fused_cpo_loss with its stats (one function per static
-        configuration); float64 numpy results."""
+        configuration, traced again with `fresh`); float64 numpy results."""
         import jax
 
         key = ("cpo", tuple(sorted((k, repr(v)) for k, v in kw.items())), b is None)
-        if key not in self._jitted:
+        if fresh or key not in self._jitted:
             lib = self.lib
 
             def f(x, w, b, t):

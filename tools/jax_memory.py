@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import fce_jax
 
 GIB = 2**30
-BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "pred": 1}
+BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "s8": 1, "pred": 1}
 RESULT = re.compile(r"\s*(?:ROOT )?%?[\w.\-]+ = (\w+)\[([\d,]*)\]")  # an instruction's (non-tuple) result
 
 

@@ -25,11 +25,12 @@ from .launch import call, interpret_mode
 from ..sums import pairwise_sum
 
 F32 = jnp.float32
-WRITE, ADD, PAIR = 0, 1, 2
+WRITE, ADD, PAIR, PAIR_LAST = 0, 1, 2, 3  # as fce_torch's; PAIR_LAST reads lo as an input and writes hi alone
 
 
 def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg, asm):
-    c_ref, lo_ref = (refs[-2], refs[-1]) if mode == PAIR else (refs[-1], None)
+    # refs: the inputs after a, b (C's planes updated in place, then the planes only read), then the outputs
+    c_ref, lo_ref = (refs[-2], refs[-1]) if mode == PAIR else (refs[-1], refs[-2] if mode == PAIR_LAST else None)
     bm, bn, bk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     # program (tile, slice): the slice's K range [k_lo, k_hi) and its [m, n] plane of C
     k_lo = pl.program_id(1) * slice_k
@@ -70,7 +71,8 @@ def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, prec
                               pltriton.load(lo_ref.at[block], mask=mask, other=0), asm) + acc
         hi, lo = fm.pair_split(s, c_ref.dtype, asm)
         pltriton.store(c_ref.at[block], hi, mask=mask)
-        pltriton.store(lo_ref.at[block], lo, mask=mask)
+        if mode == PAIR:
+            pltriton.store(lo_ref.at[block], lo, mask=mask)
 
 
 def tma_rows(arr):
@@ -89,10 +91,11 @@ def _config(a, b, outs=()):
     return GRAD_GEMM_MOSAIC
 
 
-def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=1, cfg=None):
+def _run(a, b, m, n, k, *, a_t, mode, outs, reads=(), first=False, precision=None, slices=1, cfg=None):
     """The GEMM into `outs` (arrays to update in place, aliased) or new ones (ShapeDtypeStructs; with
-    `slices`, one [slices, m, n] array of the K slices' planes): on Mosaic GPU with `cfg.mosaic`."""
-    cfg = cfg or _config(a, b, outs)
+    `slices`, one [slices, m, n] array of the K slices' planes), `reads` the planes of C that the epilogue
+    only reads (PAIR_LAST's lo): on Mosaic GPU with `cfg.mosaic`."""
+    cfg = cfg or _config(a, b, [*outs, *reads])
     slice_k = pl.cdiv(pl.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     if cfg.mosaic:
         if jnp.dtype(a.dtype).itemsize != 2:
@@ -100,7 +103,7 @@ def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=
                              "wgmma has no IEEE float32 product")
         from .grad_gemms_mgpu import mosaic_gemm  # Mosaic GPU (and absl, which it imports) only when asked for
 
-        res = mosaic_gemm(a, b, m, n, k, a_t=a_t, mode=mode, outs=outs, first=first, slices=slices,
+        res = mosaic_gemm(a, b, m, n, k, a_t=a_t, mode=mode, outs=outs, reads=reads, first=first, slices=slices,
                           slice_k=slice_k, cfg=cfg)
         return res if len(res) > 1 else res[0]
     given = [o for o in outs if not isinstance(o, jax.ShapeDtypeStruct)]
@@ -109,7 +112,7 @@ def _run(a, b, m, n, k, *, a_t, mode, outs, first=False, precision=None, slices=
                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                input_output_aliases={2 + i: i for i in range(len(given))}, m=m, n=n, k=k, slice_k=slice_k,
                a_t=a_t, mode=mode, first=first, precision=precision, cfg=cfg,
-               asm=not interpret_mode())(a, b, *given)
+               asm=not interpret_mode())(a, b, *given, *reads)
     return res if len(res) > 1 else res[0]
 
 
@@ -129,11 +132,11 @@ def dx_gemm(dz, w, dtype, precision=None, cfg=None, rows=None):
     return dx if m == n else jnp.pad(dx, ((0, n - m), (0, 0)))
 
 
-def _dz_t_x(dz, x, mode, outs, first=False, precision=None, cfg=None, rows=None):
+def _dz_t_x(dz, x, mode, outs, reads=(), first=False, precision=None, cfg=None, rows=None):
     """dZᵀ @ x (dZ [n, V] contracted over its first `rows` rows (default all), x [n, H]) with the epilogue
-    `mode`, into `outs`."""
+    `mode`, into `outs` (`reads`: as in `_run`)."""
     return _run(dz, x, dz.shape[1], x.shape[1], dz.shape[0] if rows is None else rows, a_t=True, mode=mode,
-                outs=outs, first=first, precision=precision, cfg=cfg)
+                outs=outs, reads=reads, first=first, precision=precision, cfg=cfg)
 
 
 def dw_gemm(dz, x, dtype, precision=None, cfg=None, rows=None):
@@ -148,17 +151,22 @@ def accumulates_pair(dtype):
     return dtype == jnp.bfloat16
 
 
-def dw_first(dz, x, dtype, precision=None, cfg=None):
-    """The first chunk's accumulator: a (hi bfloat16, lo int8) pair for a bfloat16 weight, else float32."""
+def dw_first(dz, x, dtype, precision=None, cfg=None, rows=None):
+    """The first chunk's accumulator: a (hi bfloat16, lo int8) pair for a bfloat16 weight, else float32;
+    `rows` as in `dw_gemm`."""
     if not accumulates_pair(dtype):
-        return dw_gemm(dz, x, F32, precision, cfg)
+        return dw_gemm(dz, x, F32, precision, cfg, rows)
     shape = (dz.shape[1], x.shape[1])
     return tuple(_dz_t_x(dz, x, PAIR, [jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape, jnp.int8)],
-                         first=True, precision=precision, cfg=cfg))
+                         first=True, precision=precision, cfg=cfg, rows=rows))
 
 
-def dw_accumulate(dz, x, acc, precision=None, cfg=None):
-    """acc + dZᵀ @ x, acc being `dw_first`'s (float32, or a (hi, lo) pair), in its buffers."""
-    pair = isinstance(acc, tuple)
-    out = _dz_t_x(dz, x, PAIR if pair else ADD, list(acc) if pair else [acc], precision=precision, cfg=cfg)
-    return tuple(out) if pair else out
+def dw_accumulate(dz, x, acc, precision=None, cfg=None, rows=None, last=False):
+    """acc + dZᵀ @ x, acc being `dw_first`'s (float32, or a (hi, lo) pair), in its buffers; `rows` as in
+    `dw_gemm`; with `last` (no product follows), a pair's hi alone, its lo only read (as fce_torch's). A lo
+    updated in place but not used afterwards is copied by XLA first (0.5 GiB at V = 128256, H = 4096)."""
+    if not isinstance(acc, tuple):
+        return _dz_t_x(dz, x, ADD, [acc], precision=precision, cfg=cfg, rows=rows)
+    if last:
+        return _dz_t_x(dz, x, PAIR_LAST, [acc[0]], reads=[acc[1]], precision=precision, cfg=cfg, rows=rows)
+    return tuple(_dz_t_x(dz, x, PAIR, list(acc), precision=precision, cfg=cfg, rows=rows))

@@ -15,7 +15,7 @@ from fce_core.plan import gemm_items, rows_fast
 
 from . import fastmath as fm
 from . import mgpu
-from .grad_gemms import ADD, F32, PAIR, WRITE, tma_rows
+from .grad_gemms import ADD, F32, PAIR, PAIR_LAST, WRITE, tma_rows
 from .launch import typed
 
 COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
@@ -115,7 +115,7 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
 
 def _reads_c(mode, first):
     """Whether the epilogue reads C: to add to it (ADD), or to the (hi, lo) pair after the first chunk's."""
-    return mode == ADD or (mode == PAIR and not first)
+    return mode in (ADD, PAIR_LAST) or (mode == PAIR and not first)
 
 
 def _blocks(cfg, loads):
@@ -131,8 +131,8 @@ def _blocks(cfg, loads):
 
 def _epilogue(acc, dst, smem, ready, mode, first):
     """One compute warpgroup's block of C from its float32 `acc`: written (WRITE), added to C (ADD), or the
-    (hi, lo) pair updated (PAIR), through its `smem` tiles (loaded from C, `ready` their barriers, when given)
-    into the `dst` blocks of global memory."""
+    (hi, lo) pair updated (PAIR; PAIR_LAST stores hi alone), through its `smem` tiles (loaded from C, `ready`
+    their barriers, when given) into the `dst` blocks of global memory."""
     if ready is not None:
         for b_ in ready:
             plgpu.barrier_wait(b_)
@@ -146,23 +146,25 @@ def _epilogue(acc, dst, smem, ready, mode, first):
         total = acc if first else fm.pair_value(smem[0][...], smem[1][...], asm=False) + acc
         smem[0][...], smem[1][...] = fm.pair_split(total, smem[0].dtype, asm=False)
     plgpu.commit_smem()
-    for d, s_ in zip(dst, smem):
+    for d, s_ in zip(dst[:1] if mode == PAIR_LAST else dst, smem):
         plgpu.copy_smem_to_gmem(s_, d)
 
 
-def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg):
-    """grad_gemms' `_run` on Mosaic GPU (mode WRITE / ADD / PAIR as there): outs all new (ShapeDtypeStructs) or
-    all given (updated in place as `jax.Ref`s). Returns the list of results. Every row of the operands and
-    outputs must be a multiple of 16 bytes (TMA), and m, n, k at least 1; else ValueError."""
+def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg, reads=()):
+    """grad_gemms' `_run` on Mosaic GPU (mode WRITE / ADD / PAIR / PAIR_LAST as there): outs all new
+    (ShapeDtypeStructs) or all given (updated in place as `jax.Ref`s), `reads` planes of C only read (after
+    outs). Returns the list of results. Every row of the operands and outputs must be a multiple of 16 bytes
+    (TMA), and m, n, k at least 1; else ValueError."""
     if min(m, n, k) < 1:
         raise ValueError(f"the Mosaic GPU GEMMs need m, n, k >= 1 (a K loop of no steps has no pipeline), "
                          f"got {(m, n, k)}")
-    for name, arr in (("A", a), ("B", b), *((f"C{i}", o) for i, o in enumerate(outs))):
+    planes = [*outs, *reads]
+    for name, arr in (("A", a), ("B", b), *((f"C{i}", o) for i, o in enumerate(planes))):
         if not tma_rows(arr):
             raise ValueError(f"the Mosaic GPU GEMMs load and store by TMA, whose rows are multiples of 16 bytes: "
                              f"{name} has rows of {arr.shape[-1]} {jnp.dtype(arr.dtype).name} values")
     _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
-    epilogue_bytes = sum(COMPUTE_WGS * slots * rows_e * cols_e * jnp.dtype(o.dtype).itemsize for o in outs)
+    epilogue_bytes = sum(COMPUTE_WGS * slots * rows_e * cols_e * jnp.dtype(o.dtype).itemsize for o in planes)
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
     items = gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n)
     body = functools.partial(_kernel, m=m, n=n, k=k, slice_k=slice_k, slices=slices, a_t=a_t, mode=mode,
@@ -172,5 +174,5 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg):
     if not given:
         return list(launch(out_type=tuple(typed(outs, (a, b))))(a, b))
     refs = mgpu.in_place(given)
-    launch(out_type=())(a, b, *refs)
+    launch(out_type=())(a, b, *refs, *reads)
     return [r[...] for r in refs]

@@ -20,7 +20,9 @@ from .tma import ELEMENT_TYPES, column_halves, descriptors, processors, programs
 from ..sums import pairwise_sum
 
 F32 = torch.float32
-WRITE, ADD, PAIR = 0, 1, 2  # the epilogues: C = acc in C's dtype; C (float32) += acc; the (hi, lo) pair
+# The epilogues: C = acc in C's dtype; C (float32) += acc; the (hi, lo) pair; its last update, hi alone (lo read,
+# not written: after the last product only hi, the rounded sum, is dW).
+WRITE, ADD, PAIR, PAIR_LAST = 0, 1, 2, 3
 
 
 @triton.jit
@@ -56,7 +58,8 @@ def _c_store(c_ptr, plane, r0, c0, v, s_cm, M, N, DESC: tl.constexpr, PLANES: tl
 @triton.jit
 def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr, FIRST: tl.constexpr,
               C_DT: tl.constexpr, DESC: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
-    """C's block at (r0, c0) from the float32 product `acc`: WRITE, ADD or the (hi, lo) PAIR update."""
+    """C's block at (r0, c0) from the float32 product `acc`: WRITE, ADD, the (hi, lo) PAIR update, or PAIR_LAST
+    (hi alone)."""
     BM: tl.constexpr = acc.shape[0]
     BN: tl.constexpr = acc.shape[1]
     if MODE == 0:
@@ -71,7 +74,8 @@ def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr,
                               _c_load(lo_ptr, r0, c0, s_cm, M, N, BM, BN, DESC), ASM) + acc
         hi, lo = fm.pair_split(s, C_DT, ASM)
         _c_store(c_ptr, plane, r0, c0, hi, s_cm, M, N, DESC, False)
-        _c_store(lo_ptr, plane, r0, c0, lo, s_cm, M, N, DESC, False)
+        if MODE == 2:
+            _c_store(lo_ptr, plane, r0, c0, lo, s_cm, M, N, DESC, False)
 
 
 @triton.jit
@@ -221,14 +225,14 @@ def dw_gemm(dz, x, dtype, precision="ieee", cfg=None, rows=None):
     return out
 
 
-def dw_accumulate(dz, x, acc, precision="ieee", cfg=None):
-    """acc += dZᵀ @ x in place, acc being `dw_first`'s: a float32 [V, H] tensor or a (hi, lo) pair.
-    Returns acc."""
-    if isinstance(acc, tuple):
-        _dz_t_x(dz, x, *acc, PAIR, precision=precision, cfg=cfg)
-    else:
-        _dz_t_x(dz, x, acc, None, ADD, precision=precision, cfg=cfg)
-    return acc
+def dw_accumulate(dz, x, acc, precision="ieee", cfg=None, rows=None, last=False):
+    """acc += dZᵀ @ x in place, acc being `dw_first`'s: a float32 [V, H] tensor or a (hi, lo) pair; `rows`
+    as in `dw_gemm`. Returns acc; with `last` (no product follows), a pair's hi alone, its lo not written."""
+    if not isinstance(acc, tuple):
+        _dz_t_x(dz, x, acc, None, ADD, precision=precision, cfg=cfg, rows=rows)
+        return acc
+    _dz_t_x(dz, x, *acc, PAIR_LAST if last else PAIR, precision=precision, cfg=cfg, rows=rows)
+    return acc[0] if last else acc
 
 
 def accumulates_pair(dtype):
@@ -237,11 +241,12 @@ def accumulates_pair(dtype):
     return dtype == torch.bfloat16
 
 
-def dw_first(dz, x, dtype, precision="ieee", cfg=None):
-    """The first chunk's accumulator: a (hi bfloat16, lo int8) pair for a bfloat16 weight, else float32."""
+def dw_first(dz, x, dtype, precision="ieee", cfg=None, rows=None):
+    """The first chunk's accumulator: a (hi bfloat16, lo int8) pair for a bfloat16 weight, else float32;
+    `rows` as in `dw_gemm`."""
     if not accumulates_pair(dtype):
-        return dw_gemm(dz, x, F32, precision, cfg)
+        return dw_gemm(dz, x, F32, precision, cfg, rows)
     hi = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
     lo = torch.empty(hi.shape, device=x.device, dtype=torch.int8)
-    _dz_t_x(dz, x, hi, lo, PAIR, first=True, precision=precision, cfg=cfg)
+    _dz_t_x(dz, x, hi, lo, PAIR, first=True, precision=precision, cfg=cfg, rows=rows)
     return hi, lo
