@@ -278,9 +278,9 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     (`Plan.puts_valid_first`): each group's rows are put valid-first within it (`valid_first`), the valid
     ones counted on the device, and the group's full chunks past its last valid row never run (a loop with a
     traced trip count; for the single group, unless every chunk runs: the group under a `lax.cond`,
-    NUMERICS.md); their outputs are 0 (so every head output must be per row), their dX rows too. With the plan's kept dZ the dX
-    and dW GEMMs run once per group, as in fce_torch: on the fused engine over the rows of the chunks that ran
-    (`_kept_grads`), on the library engine over all rows.
+    NUMERICS.md); their outputs are 0 (so every head output must be per row), their dX rows too. With the
+    plan's kept dZ the dX and dW GEMMs run once per group, as in fce_torch: on the fused engine over the rows
+    of the chunks that ran (`_kept_grads`), on the library engine over all rows.
 
     `finish(outputs, inputs)` adds outputs from a whole group's outputs and inputs (in the caller's order);
     its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from fce_core.rows import safe_targets, target_logits, tile_weights
-from fce_core.rows import valid_first as valid_first_of
 from fce_core.rows import valid_first_in_groups as valid_first_in_groups_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 
@@ -24,11 +23,6 @@ from .kernels.tile_dlogits import tile_dlogits
 from .sums import pairwise_sum
 
 F32 = torch.float32
-
-
-def valid_first(y, ignore_index):
-    """`fce_core.rows.valid_first` on this framework's arrays: (pos, order, n_valid)."""
-    return valid_first_of(arrays, y, ignore_index)
 
 
 def valid_first_in_groups(y, ignore_index, groups):

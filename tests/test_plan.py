@@ -3,7 +3,7 @@
 - `chunk_rows`, `layout`, `bounds`, `Plan` (groups, chunks, chunks_to_run, single_product), `plan_rows`,
   `plan_pairs`, `pair_order`: against rules re-derived here (brute force over small sizes, the documented
   budgets for the real shapes);
-- the engines' `valid_first` permutation (torch and JAX agree);
+- the `valid_first` permutation (torch and JAX agree), and fce_torch's over groups (`valid_first_in_groups`);
 - which chunks run: a marker head through each engine's `sweep` (which rows ran), and the logits GEMMs of a
   `fused_lce` call counted by monkeypatching `fce_torch.gemm.mm` / `fce_jax.gemm.mm` (JAX: a runtime callback
   per executed GEMM, since a chunk loop is traced once);
@@ -284,17 +284,34 @@ def _targets(n, v, n_valid, seed):
 def test_valid_first(n, n_valid):
     """(pos, order, n_valid): a stable permutation, valid rows first, each group in its order (order[j] is the row
     at position j, pos its inverse), and the count; both twins give the same."""
+    from fce_core.rows import valid_first
     from fce_jax import engine as jax_engine
-    from fce_torch import engine as torch_engine
+    from fce_torch import arrays as torch_arrays
 
     y = _targets(n, 50, n_valid, seed=n + n_valid)
     valid = (y != IGNORE_INDEX).numpy()
     expected = np.concatenate([np.flatnonzero(valid), np.flatnonzero(~valid)])
-    for pos, order, count in (torch_engine.valid_first(y, IGNORE_INDEX),
+    for pos, order, count in (valid_first(torch_arrays, y, IGNORE_INDEX),
                               jax_engine.valid_first(to_jax(y), IGNORE_INDEX)):
         pos, order = np.asarray(pos), np.asarray(order)
         assert np.array_equal(order, expected)
         assert np.array_equal(pos[order], np.arange(n)) and int(count) == n_valid
+
+
+@pytest.mark.parametrize("n_rows,group_rows", [(13, 5), (12, 4), (7, 7), (1, 1)])
+def test_valid_first_in_groups(n_rows, group_rows):
+    """fce_torch's order over groups of rows (`Plan.groups`): each row stays in its group, the group's valid
+    rows first, each kind in its order; the count of each group's valid rows."""
+    from fce_torch import engine as torch_engine
+
+    groups = bounds(n_rows, group_rows)
+    y = _targets(n_rows, 50, n_rows // 2, seed=n_rows + group_rows)
+    valid = (y != IGNORE_INDEX).numpy()
+    order, counts = torch_engine.valid_first_in_groups(y, IGNORE_INDEX, groups)
+    expected = np.concatenate([g0 + np.concatenate([np.flatnonzero(valid[g0:g1]), np.flatnonzero(~valid[g0:g1])])
+                               for g0, g1 in groups])
+    assert np.array_equal(order.numpy(), expected)
+    assert counts.tolist() == [int(valid[g0:g1].sum()) for g0, g1 in groups]
 
 
 @pytest.mark.parametrize("n,n_valid", [(1, 0), (13, 5), (13, 13)])
