@@ -120,7 +120,7 @@ def fused_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grad
                                 chunk_rows(n_rows, hidden, requested, budget.resident_x, budget.row_multiple,
                                            itemsize)), False)
     rows = chunk_rows(n_rows, vocab, requested, budget.tiles, budget.row_multiple, itemsize)
-    keep = rows < n_rows and n_rows * itemsize <= hidden * (4 - itemsize) + rows * itemsize
+    keep = rows < n_rows and n_rows <= fused_kept_rows(hidden, itemsize, rows)
     if dw_pair and not keep and rows < n_rows and requested is None:
         rows = chunk_rows(n_rows, vocab, None, budget.tiles + vocab * hidden * (2 - PAIR_LO_BYTES),
                           budget.row_multiple, itemsize)

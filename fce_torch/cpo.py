@@ -13,7 +13,7 @@ from fce_core import docs
 from fce_core.docs import doc
 from fce_core.contract import check_cpo_options, check_engine, check_pair_batch
 from fce_core.options import LOSS_TYPES, CpoOptions, FlceOptions
-from fce_core.plan import pair_order, plan_pairs
+from fce_core.plan import bounds, pair_order, plan_pairs
 
 from .api import prepare, requires_grad
 from .autodiff import absent, register_precomputed
@@ -57,15 +57,8 @@ def _pair_order(n_pairs, seq_len, plan, device):
     """`fce_core.plan.pair_order` made on the device: a copy of the host list would wait for the device to
     finish the work queued before the call (a pageable copy synchronizes its stream), leaving the device idle
     while the host sets up the rest of the call; and a CUDA graph may not hold host data."""
-    per = plan.group_rows // (2 * seq_len)
-    first = n_pairs - (-(-n_pairs // per) - 1) * per
-    j = torch.arange(2 * n_pairs, device=device)
-    later = (j - 2 * first).clamp(min=0)
-    in_first = j < 2 * first
-    start = torch.where(in_first, 0, first + later // (2 * per) * per)
-    size = torch.where(in_first, first, per)
-    offset = torch.where(in_first, j, later % (2 * per))
-    return torch.where(offset < size, start + offset, n_pairs + start + offset - size)
+    seqs = torch.arange(2 * n_pairs, device=device).view(2, n_pairs)  # chosen, rejected
+    return torch.cat([seqs[:, g0:g1].reshape(-1) for g0, g1 in bounds(n_pairs, plan.group_rows // (2 * seq_len))])
 
 
 def _unpermute(t, order, seqs):
