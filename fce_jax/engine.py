@@ -138,18 +138,22 @@ class _Sweep:
         dx_c, dw, db = self.add(dz, x_c, *acc)
         return (dw, db), out, dx_c
 
-    def _dx(self, product, dtype):
-        """dX from product(out_dtype) = dZ W: in `dtype`, or vocab-parallel the shards' float32 parts summed."""
-        if self.comm is None:
+    def _dx(self, product, dtype, scale=None):
+        """dX from product(out_dtype) = dZ W: in `dtype`, or from float32: vocab-parallel the shards' parts
+        summed, with `scale` (the rows' scale) times it before its one rounding to `dtype`."""
+        if self.comm is None and scale is None:
             return product(dtype)
-        return self.comm.sum_parts(product(F32)).astype(dtype)
+        part = product(F32)
+        part = part if self.comm is None else self.comm.sum_parts(part)
+        return part.astype(dtype) if scale is None else scale_rows(part, scale, dtype)
 
-    def add(self, dz, x_rows, dw, db, ran=None, last=False):
+    def add(self, dz, x_rows, dw, db, ran=None, last=False, scale=None):
         """The GEMMs of some rows' dZ: (dX rows or None, dW (+)= dZ^T X, db + column sums (if given));
-        vocab-parallel, dX from the shards' float32 parts. `ran`, `last`: as in fce_torch's `_Grads.add`."""
+        vocab-parallel, dX from the shards' float32 parts. `ran`, `last`, `scale` (fused engine): as in
+        fce_torch's `_Grads.add`."""
         need_dx, need_dw, _ = self.grads
         if self.engine == "fused":
-            return self.add_own(dz, x_rows, dw, db, ran, last)
+            return self.add_own(dz, x_rows, dw, db, ran, last, scale)
         dx = self._dx(lambda dtype: gemm.mm(dz, self.w, dtype), x_rows.dtype) if need_dx else None
         if need_dw:
             dw = (gemm.mm(dz, x_rows, self.w.dtype if self.single else F32, a_t=True) if dw is None
@@ -158,28 +162,42 @@ class _Sweep:
             db = accumulate_bias_grad(dz, db)
         return dx, dw, db
 
-    def add_own(self, dz, x_rows, dw, db, ran=None, last=False):
+    def add_own(self, dz, x_rows, dw, db, ran=None, last=False, scale=None):
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); with `ran`,
-        dX and dW over the first `ran` rows, with `last` a pair's hi alone, as in fce_torch's `_Grads._add_own`."""
+        dX, dW and db over the first `ran` rows, with `last` a pair's hi alone, with `scale` dZ's rows scaled
+        in the GEMMs, as in fce_torch's `_Grads._add_own`."""
         need_dx, need_dw, _ = self.grads
         precision = gemm.pallas_precision(dz)
         dx = self._dx(lambda dtype: dx_gemm(dz, self.w, dtype, precision, rows=ran),
-                      x_rows.dtype) if need_dx else None
+                      x_rows.dtype, scale) if need_dx else None
+        if need_dw and scale is not None:
+            x_rows = scale_rows(x_rows, scale, x_rows.dtype)
         if need_dw and self.single:
             dw = dw_gemm(dz, x_rows, self.w.dtype, precision, rows=ran)
         elif need_dw:
             dw = dw_first(dz, x_rows, self.w.dtype, precision, rows=ran) if dw is None else \
                 dw_accumulate(dz, x_rows, dw, precision, rows=ran, last=last)
         if db is not None:
-            db = accumulate_bias_grad(dz, db)
+            db = accumulate_bias_grad(dz, db, scale, rows=ran)
         return dx, dw, db
+
+
+def _after(operand, deps):
+    """`operand` (a pytree), not available before `deps` are computed: an optimization barrier over both.
+    Only where every leaf varies over the same manual axes (shard_map): the barrier would make each of its
+    outputs vary over all of them (vocab-parallel, x does not vary over the vocabulary axis and dW does; no
+    order is imposed there)."""
+    if len({jax.typeof(a).mat.varying for a in jax.tree.leaves((operand, deps))}) > 1:
+        return operand
+    return lax.optimization_barrier((operand, deps))[0]
 
 
 def _kept(acc):
     """The keywords that write a chunk's rows into the kept dZ: `into` the buffer, or before the first chunk
     (`acc` its ShapeDtypeStruct) `out_rows`, so that the first chunk's kernel makes it without zeros up front
-    (the rows of chunks that do not run are zeroed after them, `zero_rows_from`)."""
+    (the library engine zeroes the rows of chunks that do not run after them, `zero_rows_from`; the fused
+    engine's GEMMs do not read them)."""
     return dict(out_rows=acc.shape[0]) if isinstance(acc, jax.ShapeDtypeStruct) else dict(into=acc)
 
 
@@ -236,29 +254,32 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
     def rows_run(n):  # the rows of a group's first n chunks
         return first + (n - 1) * plan.rows
 
-    if sw.keep and not (isinstance(n_run, int) and n_run == n_chunks):
-        acc = zero_rows_from(acc, rows_run(n_run))
     if pos is not None:
         outputs = {k: v[pos] for k, v in outputs.items()}
     if finish is not None:
         outputs.update(finish(outputs, caller_inputs))
     if sw.keep:
-        if "scale" in outputs:
-            acc = scale_rows(acc, outputs["scale"] if order is None else outputs["scale"][order])
-        dx, dw, db = _kept_grads(sw, acc, x_g, dw, db, n_run, n_chunks, rows_run, last)
+        scale = outputs.get("scale")
+        scale = scale if scale is None or order is None else scale[order]
+        if sw.engine != "fused":  # the library's GEMMs take every row of dZ, scaled
+            if not (isinstance(n_run, int) and n_run == n_chunks):
+                acc = zero_rows_from(acc, rows_run(n_run))
+            if scale is not None:
+                acc, scale = scale_rows(acc, scale), None
+        dx, dw, db = _kept_grads(sw, acc, x_g, dw, db, n_run, n_chunks, rows_run, last, scale)
         dx = dx if dx is None or pos is None else dx[pos]
     else:
         dw, db = acc
     return outputs, dx, dw, db
 
 
-def _kept_grads(sw, dz, x_g, dw, db, n_run, n_chunks, rows_run, last=False):
+def _kept_grads(sw, dz, x_g, dw, db, n_run, n_chunks, rows_run, last=False, scale=None):
     """The GEMMs over a group's kept dZ, whose rows past the first n_run of its n_chunks chunks (`rows_run(n)`
-    rows) are 0: on the fused engine over the rows of those chunks, as fce_torch's sweep (a branch per count
-    of chunks where n_run is traced, so that every GEMM has a static shape), on the library engine over all
-    rows."""
+    rows) did not run: on the fused engine over the rows of those chunks (the others unread), as fce_torch's
+    sweep (a branch per count of chunks where n_run is traced, so that every GEMM has a static shape), with
+    `scale` applied in them; on the library engine over all rows (those set to 0, scaled before)."""
     def over(n):
-        return sw.add(dz, x_g, dw, db, ran=rows_run(n), last=last)
+        return sw.add(dz, x_g, dw, db, ran=rows_run(n), last=last, scale=scale)
 
     if sw.engine != "fused":
         return sw.add(dz, x_g, dw, db)
@@ -283,9 +304,10 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     of the chunks that ran (`_kept_grads`), on the library engine over all rows.
 
     `finish(outputs, inputs)` adds outputs from a whole group's outputs and inputs (in the caller's order);
-    its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need
-    more rows than a chunk holds). With groups of rows (the plan's group_rows; a loop over the full groups
-    after the first), each group's outputs are concatenated and dW accumulates over the groups.
+    its "scale" [rows] multiplies the group's kept dZ rows (a loss whose coefficients need more rows than a
+    chunk holds): on the library engine before the GEMMs, on the fused engine in them, as in fce_torch. With
+    groups of rows (the plan's group_rows; a loop over the middle groups), each group's outputs are
+    concatenated and dW accumulates over the groups.
 
     `comm` (a `vocab_parallel.VocabComm`): w, bias and class_weights are this device's vocabulary shard; the
     target logits and the row statistics are merged along the axis before the head, dX is summed along it,
@@ -330,7 +352,10 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
 
     def group_at(start, dw, db, last=False):
         sl = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=plan.group_rows)
-        return valid_first_pass(sl(x), {k: sl(v) for k, v in inputs.items()}, dw, db, None, last=last)
+        # A group's chunks need nothing of the groups before it, so XLA could run them before the previous
+        # group's GEMMs, with both groups' kept dZ alive (one [rows, V] more at the peak).
+        x_g, inputs_g = _after((sl(x), {k: sl(v) for k, v in inputs.items()}), (dw, db))
+        return valid_first_pass(x_g, inputs_g, dw, db, None, last=last)
 
     def middle_group(i, carry):
         outputs, dx, dw, db = group_at(g_first + (i - 1) * plan.group_rows, *carry)

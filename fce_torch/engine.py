@@ -77,24 +77,31 @@ class _Grads:
             else:
                 self.dx.index_fill_(0, self.order[r0:], 0)
 
-    def _dx(self, r0, r1, product):
+    def _dx(self, r0, r1, product, scale=None):
         """dX of rows [r0, r1): product(out) writes dZ W into `out`, dx's rows (a new block put back at the
-        caller's rows, with `order`) or, vocab-parallel, a float32 part (the shards' parts then summed)."""
+        caller's rows, with `order`) or a float32 block: vocab-parallel (the shards' parts then summed), or with
+        `scale` [r1 - r0], the rows' scale, which multiplies it before its one rounding to dx's dtype."""
         dx = self.dx[r0:r1] if self.order is None else self.dx.new_empty(r1 - r0, self.dx.shape[1])
-        if self.comm is None:
+        if self.comm is None and scale is None:
             product(dx)
         else:
-            dx.copy_(self.comm.sum_parts(product(dx.new_empty(dx.shape, dtype=F32))))
+            part = product(dx.new_empty(dx.shape, dtype=F32))
+            part = part if self.comm is None else self.comm.sum_parts(part)
+            if scale is None:
+                dx.copy_(part)
+            else:
+                scale_rows(part, scale, out=dx)
         if self.order is not None:
             self.dx.index_copy_(0, self.order[r0:r1], dx)
 
-    def add(self, dz, r0, r1, x_rows, ran=None, last=False):
+    def add(self, dz, r0, r1, x_rows, ran=None, last=False, scale=None):
         """The GEMMs of the dZ of rows [r0, r1), x_rows = `rows(r0, r1)` (vocab-parallel: dX from the shards'
-        float32 parts). `ran`: a kept dZ's rows past its first `ran` did not run (they are 0), which the fused
-        engine's dX and dW leave out (`_add_own`); `last`: no product follows (the fused engine's (hi, lo)
-        pair then writes hi alone)."""
+        float32 parts). On the fused engine (`_add_own`): `ran`, a kept dZ's rows past its first `ran` did not
+        run, which its dX, dW and db leave out (they are never read, so need not be 0); `last`, no product
+        follows (the (hi, lo) pair then writes hi alone); `scale` [r1 - r0], the rows' scale, applied in the
+        GEMMs (see `_add_own`)."""
         if self.own:
-            return self._add_own(dz, r0, r1, x_rows, ran, last)
+            return self._add_own(dz, r0, r1, x_rows, ran, last, scale)
         if self.need_dx:
             self._dx(r0, r1, lambda out: gemm.mm(dz, self.w, out.dtype, out=out))
         if self.need_dw:
@@ -105,15 +112,18 @@ class _Grads:
         if self.db is not None:
             accumulate_bias_grad(dz, self.db)
 
-    def _add_own(self, dz, r0, r1, x_rows, ran=None, last=False):
+    def _add_own(self, dz, r0, r1, x_rows, ran=None, last=False, scale=None):
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); vocab-parallel,
         dX from the shards' float32 parts as in `add`. With `ran`, dX is 0 past those rows and dW's K is
-        `ran`: the zero rows left out add exact zeros, so the bits are those of all rows (docs/NUMERICS.md)."""
+        `ran`. With `scale` (dZ's rows times scale, docs/NUMERICS.md "CPO"), dX = scale (dZ W) rounded once
+        from float32, dW = dZ^T (scale X) and db sums scale dZ: no pass over the [rows, V] dZ."""
         precision = gemm.triton_precision(dz)
         if self.need_dx:
-            self._dx(r0, r1, lambda out: dx_gemm(dz, self.w, out, precision, rows=ran))
+            self._dx(r0, r1, lambda out: dx_gemm(dz, self.w, out, precision, rows=ran), scale)
         if self.need_dw:
+            if scale is not None:
+                x_rows = scale_rows(x_rows, scale, out=torch.empty_like(x_rows))
             if self.single:
                 self.dw = dw_gemm(dz, x_rows, self.w.dtype, precision, rows=ran)
             elif self.dw is None:
@@ -121,7 +131,7 @@ class _Grads:
             else:
                 self.dw = dw_accumulate(dz, x_rows, self.dw, precision, rows=ran, last=last)
         if self.db is not None:
-            accumulate_bias_grad(dz, self.db)
+            accumulate_bias_grad(dz, self.db, scale, rows=ran)
 
     def weight_grad(self):
         """dW: the hi half of a (hi, lo) pair (its rounded sum), else the accumulator or product."""
@@ -143,14 +153,16 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     once the first chunk is queued (or, without valid-first, once every chunk is); where it says that no row
     is ignored, the chunks after the first take the caller's rows directly (the same rows). Without the check
     every chunk runs: an ignored row's dZ is exactly 0, so the bits are the same either way. With the plan's kept
-    dZ the dX and dW GEMMs run once per group (rows that did not run hold zeros): on the fused engine over the
-    rows of the chunks that ran, whose left-out K steps would add exact zeros (the same bits,
-    docs/NUMERICS.md), on the library engine over all rows, so that its shapes do not depend on the count.
+    dZ the dX and dW GEMMs run once per group: on the fused engine over the rows of the chunks that ran, whose
+    left-out K steps would add exact zeros (the same bits, docs/NUMERICS.md), on the library engine over all
+    rows (those that did not run set to 0), so that its shapes do not depend on the count.
 
     `finish(outputs, inputs)` adds outputs from a whole group's outputs and inputs (in the caller's order);
-    its "scale" [rows] multiplies the group's kept dZ rows before the GEMMs (a loss whose coefficients need
-    more rows than a chunk holds: the head gives unit coefficients, finish the scale). With groups of rows
-    (the plan's group_rows), each group's outputs are concatenated and dW accumulates over the groups.
+    its "scale" [rows] multiplies the group's kept dZ rows (a loss whose coefficients need more rows than a
+    chunk holds: the head gives unit coefficients, finish the scale): on the library engine in place before
+    the GEMMs, on the fused engine in them (`_Grads._add_own`), which leaves the dZ rows of chunks that did not
+    run unwritten. With groups of rows (the plan's group_rows), each group's outputs are concatenated and dW
+    accumulates over the groups.
 
     `engine`: "library" (a library logits GEMM into float32 logits, then the row passes) or "fused" (our logits
     GEMM with the statistics epilogue and 16-bit tile values, `kernels/logit_tiles.py`); docs/NUMERICS.md.
@@ -193,10 +205,14 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         if finish is not None:
             out.update(finish(out, {k: v[g0:g1] for k, v in caller_inputs.items()}))
         if keep:
-            dz_rows[chunks[-1][1]:].zero_()
-            if "scale" in out:
-                scale_rows(dz_rows, out["scale"] if group_order is None else out["scale"][group_order])
-            acc.add(dz_rows, g0, g1, acc.rows(g0, g1), ran=chunks[-1][1], last=g == len(groups) - 1)
+            scale = out.get("scale")
+            scale = scale if scale is None or group_order is None else scale[group_order]
+            if engine != "fused":  # the library's GEMMs take every row of dZ, scaled
+                dz_rows[chunks[-1][1]:].zero_()
+                if scale is not None:
+                    scale_rows(dz_rows, scale)
+                    scale = None
+            acc.add(dz_rows, g0, g1, acc.rows(g0, g1), ran=chunks[-1][1], last=g == len(groups) - 1, scale=scale)
             dz_rows = None  # released before the next group allocates its own
         outs.append(out)
     if check is not None:

@@ -127,6 +127,9 @@ def gpu_cpo_cases() -> list[CpoCase]:
             # 8 pairs: all rows' dZ would outgrow the dW accumulator, so groups of whole pairs run.
             CpoCase("cpo_sigmoid_bf16_8x1024_4k_128k", **{**s, "pairs": 8}, seed=405),
             CpoCase("fused_cpo_sigmoid_bf16_2x1024_4k_128k", **s, engine="fused", seed=406),
+            # 4 pairs: two groups of two pairs, the second one the last accumulation of the dW pair (PAIR_LAST)
+            # with no group between them; at 8 pairs the middle groups run in fce_jax's loop
+            CpoCase("fused_cpo_sigmoid_bf16_4x1024_4k_128k", **{**s, "pairs": 4}, engine="fused", seed=408),
             CpoCase("fused_cpo_sigmoid_bf16_8x1024_4k_128k", **{**s, "pairs": 8}, engine="fused", seed=407)]
 
 

@@ -64,14 +64,16 @@ class TorchKernels:
         self.dl.dlogits(z, dz, bias, y, cw, coef, transform=transform, asm=self.asm)
         return dz
 
-    def scale_rows(self, dz, scale):
+    def scale_rows(self, dz, scale, dtype=None):
+        if dtype is not None:
+            return self.dl.scale_rows(dz, scale, out=torch.empty(dz.shape, dtype=dtype))
         out = dz.clone()
         self.dl.scale_rows(out, scale)
         return out
 
-    def accumulate_bias_grad(self, dz, db):
+    def accumulate_bias_grad(self, dz, db, scale=None, rows=None):
         out = db.clone()
-        self.dl.accumulate_bias_grad(dz, out)
+        self.dl.accumulate_bias_grad(dz, out, scale, rows=rows)
         return out
 
     def flce_head(self, stats, y, w_y, g, g_lse, scalars, opt, vocab):
@@ -132,11 +134,11 @@ class JaxKernels(TorchKernels):
         return quick_jit(lambda *a, into: self.dl.dlogits(*a, transform=transform, dtype=dtype, into=into,
                                                           row0=row0))(z, bias, y, cw, coef, into=into)
 
-    def scale_rows(self, dz, scale):
-        return quick_jit(self.dl.scale_rows)(dz, scale)
+    def scale_rows(self, dz, scale, dtype=None):
+        return quick_jit(lambda d, s: self.dl.scale_rows(d, s, dtype))(dz, scale)
 
-    def accumulate_bias_grad(self, dz, db):
-        return quick_jit(self.dl.accumulate_bias_grad)(dz, db)
+    def accumulate_bias_grad(self, dz, db, scale=None, rows=None):
+        return quick_jit(lambda d, b, s: self.dl.accumulate_bias_grad(d, b, s, rows=rows))(dz, db, scale)
 
     def flce_head(self, stats, y, w_y, g, g_lse, scalars, opt, vocab):
         return quick_jit(lambda *a: self.fh.flce_head(*a, opt=opt, vocab=vocab))(stats, y, w_y, g, g_lse, scalars)
@@ -354,19 +356,20 @@ def test_dlogits_jax_into_rows():
 
 # ==================================================================================== scale_rows, bias grad
 @each_twin
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_scale_rows(k, dtype):
+@pytest.mark.parametrize("dtype, out_dtype", [("float32", None), ("bfloat16", None), ("float32", "bfloat16")])
+def test_scale_rows(k, dtype, out_dtype):
     """dz * scale row by row, rounded once: exactly float32(dz) * scale (IEEE float32 product) rounded to
-    nearest even in dz's dtype."""
+    nearest even in dz's dtype, or into another dtype (a float32 dX block to the input dtype)."""
     n, v = 13, 2100
     dz = _rand((n, v), 80).to(getattr(torch, dtype))
     scale = _rand((n,), 81, 10.0)
     scale[3] = 0.0
-    want = (dz.float() * scale[:, None]).to(getattr(torch, dtype))
-    out = k.scale_rows(k.arr(dz), k.arr(scale))
-    assert out.dtype == k.dt(dtype)
+    out_dtype = out_dtype or dtype
+    want = (dz.float() * scale[:, None]).to(getattr(torch, out_dtype))
+    out = k.scale_rows(k.arr(dz), k.arr(scale), None if out_dtype == dtype else k.dt(out_dtype))
+    assert out.dtype == k.dt(out_dtype)
     assert np.array_equal(as_float64(out), as_float64(want))
-    _assert_rel(out, f64(dz) * f64(scale)[:, None], 1e-7 if dtype == "float32" else 4e-3, "scaled")
+    _assert_rel(out, f64(dz) * f64(scale)[:, None], 1e-7 if out_dtype == "float32" else 4e-3, "scaled")
 
 
 @pytest.mark.parametrize("start", [0, 5, 12, 13, 40])
@@ -388,20 +391,25 @@ def test_zero_rows_from(start):
 
 
 @each_twin
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_accumulate_bias_grad(k, dtype):
-    """db + the column sums of dz, rows added in order into the float32 accumulator: exactly the sequential
-    float32 sum, and the float64 one within rounding."""
+@pytest.mark.parametrize("dtype, scaled, rows", [("float32", False, None), ("bfloat16", False, None),
+                                                 ("bfloat16", True, 11)])
+def test_accumulate_bias_grad(k, dtype, scaled, rows):
+    """db + the column sums of dz (its first `rows` rows, each times its scale), rows added in order into the
+    float32 accumulator: exactly the sequential float32 sum of the float32 products, and the float64 one within
+    rounding. The rows past `rows` are NaN: never read."""
     n, v = 17, 1500
     dz = _rand((n, v), 82).to(getattr(torch, dtype))
     db = _rand((v,), 83)
+    scale = _rand((n,), 85, 3.0) if scaled else torch.ones(n)
+    used = n if rows is None else rows
+    dz[used:] = float("nan")
     want = db.clone()
-    for i in range(n):
-        want = want + dz[i].float()
-    out = k.accumulate_bias_grad(k.arr(dz), k.arr(db))
+    for i in range(used):
+        want = want + dz[i].float() * scale[i]
+    out = k.accumulate_bias_grad(k.arr(dz), k.arr(db), k.arr(scale) if scaled else None, rows)
     assert out.dtype == k.dt("float32")
     assert np.array_equal(as_float64(out), as_float64(want))
-    _assert_rel(out, f64(db) + f64(dz).sum(0), 1e-6, "db")
+    _assert_rel(out, f64(db) + (f64(dz[:used]) * f64(scale[:used])[:, None]).sum(0), 1e-6, "db")
 
 
 # ==================================================================================== the FLCE head

@@ -1,5 +1,6 @@
 """Pass B over a chunk of float32 logits: dZ = a p + b [c == y] + c w_c (+ d p (z - mu)), times the derivative of
-the logit transform; a later per-row scale of kept dZ rows; and db. A row whose coefficients are all 0
+the logit transform; a later per-row scale of rows (kept dZ rows, or the rows of X and dX that the GEMMs over
+them take); and db. A row whose coefficients are all 0
 (ignored) gets dZ = 0 exactly, whatever its logits (even NaN).
 
 Twin: fce_torch/kernels/dlogits.py (which writes dZ into the logits' own memory; XLA owns the buffers here).
@@ -63,14 +64,15 @@ def _dlogits_kernel(z_ref, bias_ref, y_ref, cw_ref, lse_ref, a_ref, b_ref, c_ref
     lax.fori_loop(0, pl.cdiv(vocab, bv), body, 0)
 
 
-def _bias_grad_kernel(dz_ref, db_in_ref, db_ref, *, n_rows, vocab, cfg):
+def _bias_grad_kernel(dz_ref, db_in_ref, scale_ref, db_ref, *, n_rows, vocab, has_scale, asm, cfg):
     bv = cfg.block_v
     c0 = pl.program_id(0) * bv
     col_ok = c0 + lax.iota(jnp.int32, bv) < vocab
     cs = pl.ds(c0, bv)
 
     def body(i, acc):
-        return acc + pltriton.load(dz_ref.at[i, cs], mask=col_ok, other=0.0).astype(F32)
+        dz = pltriton.load(dz_ref.at[i, cs], mask=col_ok, other=0.0).astype(F32)
+        return acc + (fm.mul(dz, scale_ref[i], asm) if has_scale else dz)
 
     acc = lax.fori_loop(0, n_rows, body, pltriton.load(db_in_ref.at[cs], mask=col_ok, other=0.0))
     pltriton.store(db_ref.at[cs], acc, mask=col_ok)
@@ -102,7 +104,7 @@ def dlogits(z, bias, y, class_weights, coef, *, transform, dtype, into=None, row
                 asm=not interpret_mode(), cfg=cfg)(*args)
 
 
-def _scale_rows_kernel(dz_in_ref, scale_ref, dz_ref, *, n_rows, vocab, asm, cfg):
+def _scale_rows_kernel(a_ref, scale_ref, out_ref, *, n_rows, vocab, asm, cfg):
     br, bv = cfg.block_rows, cfg.block_v
     r0 = pl.program_id(0) * br
     c0 = pl.program_id(1) * bv
@@ -110,24 +112,28 @@ def _scale_rows_kernel(dz_in_ref, scale_ref, dz_ref, *, n_rows, vocab, asm, cfg)
     mask = row_ok[:, None] & (c0 + lax.iota(jnp.int32, bv) < vocab)[None, :]
     block = (pl.ds(r0, br), pl.ds(c0, bv))
     scale = pltriton.load(scale_ref.at[pl.ds(r0, br)], mask=row_ok, other=0.0)
-    dz = pltriton.load(dz_in_ref.at[block], mask=mask, other=0.0).astype(F32)
-    pltriton.store(dz_ref.at[block], fm.mul(dz, scale[:, None], asm).astype(dz_ref.dtype), mask=mask)
+    a = pltriton.load(a_ref.at[block], mask=mask, other=0.0).astype(F32)
+    pltriton.store(out_ref.at[block], fm.mul(a, scale[:, None], asm).astype(out_ref.dtype), mask=mask)
 
 
-def _in_place(kernel, dz, operand, cfg, **static):
-    """`kernel` over dz [n, V] in blocks of rows and columns, written into dz's buffer, with one operand."""
+def _blocks(kernel, a, operand, cfg, dtype=None, **static):
+    """`kernel` over a [n, V] in blocks of rows and columns with one operand, written into a's buffer, or into a
+    new array of another `dtype`."""
     cfg = row_pass(cfg)
-    n, vocab = dz.shape
+    n, vocab = a.shape
+    dtype = a.dtype if dtype is None else dtype
     if n == 0:
-        return dz
-    return call(kernel, out_shape=jax.ShapeDtypeStruct(dz.shape, dz.dtype),
+        return a.astype(dtype)
+    return call(kernel, out_shape=jax.ShapeDtypeStruct(a.shape, dtype),
                 grid=(pl.cdiv(n, cfg.block_rows), pl.cdiv(vocab, cfg.block_v)), num_warps=cfg.num_warps,
-                input_output_aliases={0: 0}, n_rows=n, vocab=vocab, cfg=cfg, **static)(dz, operand)
+                input_output_aliases={0: 0} if dtype == a.dtype else {}, n_rows=n, vocab=vocab, cfg=cfg,
+                **static)(a, operand)
 
 
-def scale_rows(dz, scale, cfg=None):
-    """dz [n, V] times scale [n] (float32) row by row, rounded once to dz's dtype (in dz's buffer)."""
-    return _in_place(_scale_rows_kernel, dz, scale, cfg, asm=not interpret_mode())
+def scale_rows(a, scale, dtype=None, cfg=None):
+    """a [n, V] times scale [n] (float32) row by row, the float32 product rounded once to `dtype` (default a's
+    own, in a's buffer)."""
+    return _blocks(_scale_rows_kernel, a, scale, cfg, dtype, asm=not interpret_mode())
 
 
 def _zero_rows_kernel(dz_in_ref, start_ref, dz_ref, *, n_rows, vocab, cfg):
@@ -147,15 +153,18 @@ def zero_rows_from(dz, start, cfg=None):
     """dz [n, V] with its rows from `start` (an integer, possibly traced) on set to 0, in dz's buffer: the kept
     dZ rows of the chunks that did not run, which no kernel wrote. (fce_torch zeroes them with a slice: its
     host has the count. Zeros made up front cost a write of the whole buffer, 0.6 ms at 4096 x 128256.)"""
-    return _in_place(_zero_rows_kernel, dz, jnp.asarray(start, jnp.int32).reshape(1), cfg)
+    return _blocks(_zero_rows_kernel, dz, jnp.asarray(start, jnp.int32).reshape(1), cfg)
 
 
-def accumulate_bias_grad(dz, db, cfg=None):
-    """db [V] float32 + column sums of dz [n, V], in row order (deterministic)."""
+def accumulate_bias_grad(dz, db, scale=None, rows=None, cfg=None):
+    """db [V] float32 + column sums of dz [n, V] (its first `rows` rows), in row order (deterministic); with
+    `scale` [n] (float32), of `mul(float32(dz), scale)` row by row, as fce_torch's."""
     cfg = row_pass(cfg)
-    n, vocab = dz.shape
+    vocab = dz.shape[1]
+    n = dz.shape[0] if rows is None else rows
     if n == 0:
         return db
     return call(_bias_grad_kernel, out_shape=jax.ShapeDtypeStruct((vocab,), F32),
                 grid=(pl.cdiv(vocab, cfg.block_v),), num_warps=cfg.num_warps, n_rows=n, vocab=vocab,
-                cfg=cfg)(dz, db)
+                has_scale=scale is not None, asm=not interpret_mode(),
+                cfg=cfg)(dz, db, jnp.zeros((1,), F32) if scale is None else scale)

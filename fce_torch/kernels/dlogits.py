@@ -1,5 +1,6 @@
 """Pass B over a chunk of float32 logits: dZ = a p + b [c == y] + c w_c (+ d p (z - mu)), times the derivative of
-the logit transform; a later per-row scale of kept dZ rows; and db.
+the logit transform; a later per-row scale of rows (kept dZ rows, or the rows of X and dX that the GEMMs over
+them take); and db.
 
 p = softmax(z) comes from the row's lse; the entropy term (d, mu = E[z]) is compiled in only when a head asks
 for it. A row whose coefficients are all 0 (ignored) gets dZ = 0 exactly, whatever its logits (even NaN).
@@ -73,25 +74,30 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
 
 
 @triton.jit
-def _scale_rows_kernel(dz_ptr, stride_dz, scale_ptr, n_rows, V, BR: tl.constexpr, BV: tl.constexpr,
-                       ASM: tl.constexpr):
+def _scale_rows_kernel(a_ptr, stride_a, out_ptr, stride_out, scale_ptr, n_rows, V, BR: tl.constexpr,
+                       BV: tl.constexpr, ASM: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     row_ok = rows < n_rows
     mask = row_ok[:, None] & (cols < V)[None, :]
-    ptrs = dz_ptr + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-    dz = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, fm.to_dtype(fm.mul(dz, scale[:, None], ASM), dz_ptr.dtype.element_ty, ASM), mask=mask)
+    a = tl.load(a_ptr + rows64 * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows64 * stride_out + cols[None, :],
+             fm.to_dtype(fm.mul(a, scale[:, None], ASM), out_ptr.dtype.element_ty, ASM), mask=mask)
 
 
 @triton.jit
-def _bias_grad_kernel(dz_ptr, stride_dz, db_ptr, n_rows, V, BV: tl.constexpr):
+def _bias_grad_kernel(dz_ptr, stride_dz, db_ptr, scale_ptr, n_rows, V, BV: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      ASM: tl.constexpr):
     cols = tl.program_id(0) * BV + tl.arange(0, BV)
     col_ok = cols < V
     acc = tl.load(db_ptr + cols, mask=col_ok, other=0.0)
     for i in range(0, n_rows):
-        acc += tl.load(dz_ptr + i * stride_dz + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dz = tl.load(dz_ptr + i * stride_dz + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            dz = fm.mul(dz, tl.load(scale_ptr + i), ASM)
+        acc += dz
     tl.store(db_ptr + cols, acc, mask=col_ok)
 
 
@@ -114,21 +120,28 @@ def dlogits(z, dz, bias, y, class_weights, coef, *, transform, asm, cfg=None):
         ASM=asm, num_warps=cfg.num_warps)
 
 
-def scale_rows(dz, scale, cfg=None):
-    """dz [n, V] *= scale [n] (float32) row by row, in place, rounded once to dz's dtype."""
+def scale_rows(a, scale, out=None, cfg=None):
+    """out [n, V] = a [n, V] * scale [n] (float32) row by row, the float32 product rounded once to out's dtype;
+    in place without `out`. Returns out."""
     cfg = row_pass(cfg)
-    n, V = dz.shape
-    if n == 0:
-        return
-    _scale_rows_kernel[(triton.cdiv(n, cfg.block_rows), triton.cdiv(V, cfg.block_v))](
-        dz, dz.stride(0), scale, n, V, BR=cfg.block_rows, BV=cfg.block_v, ASM=fm.ASM, num_warps=cfg.num_warps)
+    out = a if out is None else out
+    n, V = a.shape
+    if n:
+        _scale_rows_kernel[(triton.cdiv(n, cfg.block_rows), triton.cdiv(V, cfg.block_v))](
+            a, a.stride(0), out, out.stride(0), scale, n, V, BR=cfg.block_rows, BV=cfg.block_v, ASM=fm.ASM,
+            num_warps=cfg.num_warps)
+    return out
 
 
-def accumulate_bias_grad(dz, db, cfg=None):
-    """db [V] float32 += column sums of dz [n, V], adding the rows in order (deterministic)."""
+def accumulate_bias_grad(dz, db, scale=None, rows=None, cfg=None):
+    """db [V] float32 += column sums of dz [n, V] (its first `rows` rows), adding the rows in order
+    (deterministic); with `scale` [n] (float32), of `mul(float32(dz), scale)` row by row (a kept dZ whose rows
+    are scaled in the GEMMs instead, `engine._Grads`)."""
     cfg = row_pass(cfg)
-    n, V = dz.shape
+    V = dz.shape[1]
+    n = dz.shape[0] if rows is None else rows
     if n == 0:
         return
-    _bias_grad_kernel[(triton.cdiv(V, cfg.block_v),)](dz, dz.stride(0), db, n, V, BV=cfg.block_v,
+    _bias_grad_kernel[(triton.cdiv(V, cfg.block_v),)](dz, dz.stride(0), db, dz if scale is None else scale, n, V,
+                                                      BV=cfg.block_v, HAS_SCALE=scale is not None, ASM=fm.ASM,
                                                       num_warps=cfg.num_warps)
