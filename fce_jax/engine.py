@@ -149,11 +149,15 @@ class _Sweep:
 
     def add(self, dz, x_rows, dw, db, ran=None, last=False, scale=None):
         """The GEMMs of some rows' dZ: (dX rows or None, dW (+)= dZ^T X, db + column sums (if given));
-        vocab-parallel, dX from the shards' float32 parts. `ran`, `last`, `scale` (fused engine): as in
-        fce_torch's `_Grads.add`."""
+        vocab-parallel, dX from the shards' float32 parts. `ran`, `last`, `scale`: as in fce_torch's
+        `_Grads.add` (on the library engine `ran` may be traced: the rows past it are zeroed in place)."""
         need_dx, need_dw, _ = self.grads
         if self.engine == "fused":
             return self.add_own(dz, x_rows, dw, db, ran, last, scale)
+        if ran is not None:
+            dz = zero_rows_from(dz, ran)
+        if scale is not None:
+            dz = scale_rows(dz, scale)
         dx = self._dx(lambda dtype: gemm.mm(dz, self.w, dtype), x_rows.dtype) if need_dx else None
         if need_dw:
             dw = (gemm.mm(dz, x_rows, self.w.dtype if self.single else F32, a_t=True) if dw is None
@@ -261,11 +265,6 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
     if sw.keep:
         scale = outputs.get("scale")
         scale = scale if scale is None or order is None else scale[order]
-        if sw.engine != "fused":  # the library's GEMMs take every row of dZ, scaled
-            if not (isinstance(n_run, int) and n_run == n_chunks):
-                acc = zero_rows_from(acc, rows_run(n_run))
-            if scale is not None:
-                acc, scale = scale_rows(acc, scale), None
         dx, dw, db = _kept_grads(sw, acc, x_g, dw, db, n_run, n_chunks, rows_run, last, scale)
         dx = dx if dx is None or pos is None else dx[pos]
     else:
@@ -274,15 +273,16 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
 
 
 def _kept_grads(sw, dz, x_g, dw, db, n_run, n_chunks, rows_run, last=False, scale=None):
-    """The GEMMs over a group's kept dZ, whose rows past the first n_run of its n_chunks chunks (`rows_run(n)`
-    rows) did not run: on the fused engine over the rows of those chunks (the others unread), as fce_torch's
-    sweep (a branch per count of chunks where n_run is traced, so that every GEMM has a static shape), with
-    `scale` applied in them; on the library engine over all rows (those set to 0, scaled before)."""
+    """The GEMMs over a group's kept dZ (its rows' `scale`), whose rows past the first n_run of its n_chunks
+    chunks (`rows_run(n)` rows) did not run (`_Sweep.add`): on the fused engine over the rows of those chunks,
+    as fce_torch's sweep (a branch per count of chunks where n_run is traced, so that every GEMM has a static
+    shape), on the library engine over all rows."""
     def over(n):
         return sw.add(dz, x_g, dw, db, ran=rows_run(n), last=last, scale=scale)
 
     if sw.engine != "fused":
-        return sw.add(dz, x_g, dw, db)
+        every = isinstance(n_run, int) and n_run == n_chunks
+        return sw.add(dz, x_g, dw, db, ran=None if every else rows_run(n_run), scale=scale)
     if isinstance(n_run, int):
         return over(n_run)
     return lax.switch(n_run - 1, [functools.partial(over, n) for n in range(1, n_chunks + 1)])

@@ -96,12 +96,16 @@ class _Grads:
 
     def add(self, dz, r0, r1, x_rows, ran=None, last=False, scale=None):
         """The GEMMs of the dZ of rows [r0, r1), x_rows = `rows(r0, r1)` (vocab-parallel: dX from the shards'
-        float32 parts). On the fused engine (`_add_own`): `ran`, a kept dZ's rows past its first `ran` did not
-        run, which its dX, dW and db leave out (they are never read, so need not be 0); `last`, no product
-        follows (the (hi, lo) pair then writes hi alone); `scale` [r1 - r0], the rows' scale, applied in the
-        GEMMs (see `_add_own`)."""
+        float32 parts). `ran`: a kept dZ's rows past its first `ran` did not run (unwritten); `scale`
+        [r1 - r0]: the rows' scale of dZ. The fused engine's GEMMs leave those rows out and apply the scale
+        (`_add_own`); the library's take every row, so those rows are set to 0 and dZ is scaled in place first.
+        `last`: no product follows (the fused engine's (hi, lo) pair then writes hi alone)."""
         if self.own:
             return self._add_own(dz, r0, r1, x_rows, ran, last, scale)
+        if ran is not None:
+            dz[ran:].zero_()
+        if scale is not None:
+            scale_rows(dz, scale)
         if self.need_dx:
             self._dx(r0, r1, lambda out: gemm.mm(dz, self.w, out.dtype, out=out))
         if self.need_dw:
@@ -160,7 +164,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     `finish(outputs, inputs)` adds outputs from a whole group's outputs and inputs (in the caller's order);
     its "scale" [rows] multiplies the group's kept dZ rows (a loss whose coefficients need more rows than a
     chunk holds: the head gives unit coefficients, finish the scale): on the library engine in place before
-    the GEMMs, on the fused engine in them (`_Grads._add_own`), which leaves the dZ rows of chunks that did not
+    the GEMMs, on the fused engine in them (`_Grads.add`), which leaves the dZ rows of chunks that did not
     run unwritten. With groups of rows (the plan's group_rows), each group's outputs are concatenated and dW
     accumulates over the groups.
 
@@ -207,11 +211,6 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         if keep:
             scale = out.get("scale")
             scale = scale if scale is None or group_order is None else scale[group_order]
-            if engine != "fused":  # the library's GEMMs take every row of dZ, scaled
-                dz_rows[chunks[-1][1]:].zero_()
-                if scale is not None:
-                    scale_rows(dz_rows, scale)
-                    scale = None
             acc.add(dz_rows, g0, g1, acc.rows(g0, g1), ran=chunks[-1][1], last=g == len(groups) - 1, scale=scale)
             dz_rows = None  # released before the next group allocates its own
         outs.append(out)

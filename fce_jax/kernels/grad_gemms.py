@@ -118,8 +118,8 @@ def _run(a, b, m, n, k, *, a_t, mode, outs, reads=(), first=False, precision=Non
 
 def dx_gemm(dz, w, dtype, precision=None, cfg=None, rows=None):
     """dZ [n, V] @ w [V, H] rounded once to `dtype`; over `fce_core.plan.dx_slices` slices of V, their
-    float32 planes summed by `pairwise_sum`, when that is more than one (as fce_torch). `rows`: dZ is 0 past
-    its first `rows` rows, so the product runs over those and the other rows are 0 (as fce_torch)."""
+    float32 planes summed by `pairwise_sum`, when that is more than one (as fce_torch). `rows`: only dZ's
+    first `rows` rows count, so the product runs over those and the other rows are 0 (as fce_torch)."""
     (n, vocab), hidden = dz.shape, w.shape[1]
     cfg = cfg or _config(dz, w)
     slices = dx_slices(n, hidden, vocab, cfg)

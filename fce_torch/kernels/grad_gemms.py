@@ -188,8 +188,9 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
 def dx_gemm(dz, w, out, precision="ieee", cfg=None, rows=None):
     """out [n, H] (contiguous) = dZ [n, V] @ w [V, H], rounded once to out's dtype; over
     `fce_core.plan.dx_slices` slices of V, their float32 planes summed by `pairwise_sum` straight into out,
-    when that is more than one. `rows`: dZ is 0 past its first `rows` rows, so the product runs over those and
-    out's other rows are 0; the slices are still those of all n rows, so a row's bits are the same."""
+    when that is more than one. `rows`: only dZ's first `rows` rows count (the others did not run and are
+    not read), so the product runs over those and out's other rows are 0; the slices are still those of all n
+    rows, so a row's bits are the same."""
     (n, vocab), hidden = dz.shape, w.shape[1]
     slices = dx_slices(n, hidden, vocab, cfg or _config())
     m = n if rows is None else rows
@@ -218,8 +219,9 @@ def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None, rows=No
 
 
 def dw_gemm(dz, x, dtype, precision="ieee", cfg=None, rows=None):
-    """A new [V, H] dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`. `rows`: dZ is 0 past its first
-    `rows` rows, which K leaves out (the K steps past them would add exact zeros: the same bits)."""
+    """A new [V, H] dZᵀ @ x (dZ [n, V], x [n, H]) rounded once to `dtype`. `rows`: only dZ's first `rows`
+    rows count, K leaves the others out (had they run as ignored rows, their zero dZ would add exact zeros: the
+    same bits)."""
     out = torch.empty(dz.shape[1], x.shape[1], device=x.device, dtype=dtype)
     _dz_t_x(dz, x, out, None, WRITE, precision=precision, cfg=cfg, rows=rows)
     return out
