@@ -810,7 +810,7 @@ def test_jax_fused_engine_on_mosaic_grads(monkeypatch, name):
 
     mosaic_gemm = grad_gemms_mgpu.mosaic_gemm
     monkeypatch.setattr(grad_gemms_mgpu, "mosaic_gemm", counted)
-    monkeypatch.setattr(jg, "_config", lambda a, b, outs=(): (
+    monkeypatch.setattr(jg, "_config", lambda a, b, outs=(), k_rows=None: (
         GRAD_GEMM_MOSAIC_INTERPRETER if jnp.dtype(a.dtype).itemsize == 2 else GRAD_GEMM_INTERPRETER))
     case, chunk_rows = MOSAIC_ENGINE_CASES[name]
     case = _fused(case)
@@ -818,6 +818,53 @@ def test_jax_fused_engine_on_mosaic_grads(monkeypatch, name):
     out = JAX.run(inp, case.options(), chunk_rows=chunk_rows, fresh=True)
     _check(JAX, case, inp, out)
     assert {jg.WRITE, jg.ADD if case.dtype == "float16" else jg.PAIR} <= set(launches), launches
+
+
+@pytest.mark.parametrize("k", [20, 32], ids=["mid_step", "whole_steps"])
+def test_dw_over_the_first_rows_reads_no_row_past_them(k, monkeypatch):
+    """dW over dZ's first k rows (`rows=k`: a kept dZ whose later chunks did not run, their rows unwritten) in
+    each twin's launches, with NaN in every row past k of both operands: bit for bit the product of the first
+    k rows alone, written, started and accumulated; k = 20 ends inside a K step of the interpreter's tiles
+    (fce_torch cuts its TMA descriptors at K). The JAX twin's default launch takes the Triton lowering there
+    (`_config`); Mosaic GPU, whose TMA loads whole steps, refuses that K and runs the one of whole steps."""
+    import jax.numpy as jnp
+
+    from fce_core.config import GRAD_GEMM_MOSAIC_INTERPRETER
+    from fce_jax.kernels import grad_gemms as jg
+    from fce_torch.kernels import grad_gemms as tg
+
+    n, h, v = 48, 64, 304
+    dz, _, x = _exact_grad_operands(n, h, v, torch.bfloat16, seed=k)
+    ragged_dz, ragged_x = dz.clone(), x.clone()
+    ragged_dz[k:], ragged_x[k:] = float("nan"), float("nan")
+    bf = torch.bfloat16
+
+    def torch_run(d, xx, rows):
+        first = tg.dw_first(d, xx, bf, rows=rows)
+        return [tg.dw_gemm(d, xx, bf, rows=rows), *first, *tg.dw_accumulate(d, xx, tuple(t.clone() for t in first),
+                                                                            rows=rows)]
+
+    def jax_run(d, xx, rows, cfg=None):
+        def f(d, xx):
+            first = jg.dw_first(d, xx, jnp.bfloat16, cfg=cfg, rows=rows)
+            return [jg.dw_gemm(d, xx, jnp.bfloat16, cfg=cfg, rows=rows), *first,
+                    *jg.dw_accumulate(d, xx, first, cfg=cfg, rows=rows)]
+        return [to_torch(a) for a in quick_jit(f)(to_jax(d), to_jax(xx))]
+
+    want = torch_run(dz[:k].contiguous(), x[:k].contiguous(), None)
+    got = {"torch": torch_run(ragged_dz, ragged_x, k), "jax": jax_run(ragged_dz, ragged_x, k)}
+    mosaic = GRAD_GEMM_MOSAIC_INTERPRETER
+    if k % mosaic.tile_k:
+        with pytest.raises(ValueError, match="whole K steps"):
+            jax_run(ragged_dz, ragged_x, k, mosaic)
+    else:
+        got["jax mosaic"] = jax_run(ragged_dz, ragged_x, k, mosaic)
+    for impl, outs in got.items():
+        assert len(outs) == len(want) and all(_same_bits(a, b) for a, b in zip(outs, want)), impl
+    # the GPU's choice: Mosaic GPU unless dW's K ends inside the operands off a whole step (64 rows there)
+    monkeypatch.setattr(jg, "interpret_mode", lambda: False)
+    a16 = jnp.zeros((160, 64), jnp.bfloat16)
+    assert [jg._config(a16, a16, k_rows=r).mosaic for r in (None, 64, 100, 160)] == [True, True, False, True]
 
 
 def test_jax_mosaic_grad_gemms_bad_input():

@@ -80,13 +80,18 @@ def tma_rows(arr):
     return arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16 == 0
 
 
-def _config(a, b, outs=()):
+def _config(a, b, outs=(), k_rows=None):
     """The default launch for the operands a, b and the outputs `outs`: Mosaic GPU for 16-bit operands where TMA
     can move every row (whole 16 bytes; an int8 lo plane's rows are H bytes); else the Triton lowering, as
-    fce_torch takes pointer loads where TMA cannot (the same bits either way)."""
+    fce_torch takes pointer loads where TMA cannot (the same bits either way). `k_rows`: dW's K, the first rows
+    of a and b; where it ends inside them and not on a whole K step, the Triton lowering too (its loads are
+    masked at K, where TMA's last step would read the rows past it, which hold no values: a kept dZ's rows that
+    did not run; fce_torch cuts its descriptors at K)."""
     if interpret_mode():
         return GRAD_GEMM_INTERPRETER
     if jnp.dtype(a.dtype).itemsize != 2 or not all(o.size and tma_rows(o) for o in (a, b, *outs)):
+        return GRAD_GEMM
+    if k_rows is not None and k_rows < a.shape[0] and k_rows % GRAD_GEMM_MOSAIC.tile_k:
         return GRAD_GEMM
     return GRAD_GEMM_MOSAIC
 
@@ -95,7 +100,7 @@ def _run(a, b, m, n, k, *, a_t, mode, outs, reads=(), first=False, precision=Non
     """The GEMM into `outs` (arrays to update in place, aliased) or new ones (ShapeDtypeStructs; with
     `slices`, one [slices, m, n] array of the K slices' planes), `reads` the planes of C that the epilogue
     only reads (PAIR_LAST's lo): on Mosaic GPU with `cfg.mosaic`."""
-    cfg = cfg or _config(a, b, [*outs, *reads])
+    cfg = cfg or _config(a, b, [*outs, *reads], k if a_t else None)
     slice_k = pl.cdiv(pl.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     if cfg.mosaic:
         if jnp.dtype(a.dtype).itemsize != 2:

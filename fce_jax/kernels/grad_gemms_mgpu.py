@@ -154,10 +154,15 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg, 
     """grad_gemms' `_run` on Mosaic GPU (mode WRITE / ADD / PAIR / PAIR_LAST as there): outs all new
     (ShapeDtypeStructs) or all given (updated in place as `jax.Ref`s), `reads` planes of C only read (after
     outs). Returns the list of results. Every row of the operands and outputs must be a multiple of 16 bytes
-    (TMA), and m, n, k at least 1; else ValueError."""
+    (TMA), m, n, k at least 1, and dW's K (a_t: the first k rows of a and b) must end at their last row or on a
+    whole K step (TMA loads whole steps, bounded by the arrays: the rows past K would be read); else
+    ValueError."""
     if min(m, n, k) < 1:
         raise ValueError(f"the Mosaic GPU GEMMs need m, n, k >= 1 (a K loop of no steps has no pipeline), "
                          f"got {(m, n, k)}")
+    if a_t and k < a.shape[0] and k % cfg.tile_k:
+        raise ValueError(f"the Mosaic GPU GEMMs read whole K steps of {cfg.tile_k} rows: dW over the first {k} of "
+                         f"{a.shape[0]} rows would read rows past them (the Triton lowering masks them)")
     planes = [*outs, *reads]
     for name, arr in (("A", a), ("B", b), *((f"C{i}", o) for i, o in enumerate(planes))):
         if not tma_rows(arr):

@@ -213,9 +213,11 @@ def _dw_config(hidden):
 
 def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None, rows=None):
     """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`, K the
-    first `rows` rows (default all)."""
-    _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0] if rows is None else rows, mode, first=first,
-         precision=precision, cfg=cfg or _dw_config(x.shape[1]))
+    first `rows` rows (default all). The operands are cut at K: a descriptor's loads take whole K steps,
+    bounded by its array, and the rows past `rows` hold no values (a kept dZ's rows that did not run)."""
+    k = dz.shape[0] if rows is None else rows
+    _run(dz[:k], True, x[:k], c, lo, dz.shape[1], x.shape[1], k, mode, first=first, precision=precision,
+         cfg=cfg or _dw_config(x.shape[1]))
 
 
 def dw_gemm(dz, x, dtype, precision="ieee", cfg=None, rows=None):
