@@ -1,7 +1,7 @@
 """`fused_cpo_loss` for JAX (docs/SPEC.md §3): the preference loss on the engine with a custom VJP whose
-forward computes the gradients. The sequences of each group of pairs are permuted together when the plan has
-groups (`fce_core.plan.pair_order`) and put back after; the math is fce_torch/cpo.py's (docs/NUMERICS.md,
-"CPO"). Twin: fce_torch/cpo.py.
+forward computes the gradients. With the plan's groups, the sweep takes the sequences of each group of pairs
+together (`fce_core.plan.pair_order`) and its per-sequence outputs are put back after; the math is
+fce_torch/cpo.py's (docs/NUMERICS.md, "CPO"). Twin: fce_torch/cpo.py.
 """
 import jax
 import jax.numpy as jnp
@@ -64,18 +64,18 @@ def run_cpo(static, x, w, bias, y, *, grads):
     scalars = jnp.stack([jnp.asarray(n_pairs, F32), n_chosen, jnp.asarray(vocab, F32)])
     plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.dtype.itemsize,
                       need_grads=any(grads), requested=opt.chunk_rows, engine=opt.engine)
-    order = pair_order(n_pairs, seq_len, plan)
+    order, rows = pair_order(n_pairs, seq_len, plan), None
     seqs = (2 * n_pairs, seq_len, x.shape[1])
-    if order is not None:
+    if order is not None:  # the sweep takes x's rows in this order and gives dX back in x's
         order = np.asarray(order)
-        x, y = x.reshape(seqs)[order].reshape(x.shape), y.reshape(seqs[:2])[order].reshape(y.shape)
+        rows = (order[:, None] * seq_len + np.arange(seq_len)).reshape(-1)
+        y = y.reshape(seqs[:2])[order].reshape(y.shape)
     finish = lambda outputs, inputs: _finish_pairs(outputs, inputs, opt=opt, scalars=scalars)  # noqa: E731
     out, dx, dw, db = sweep(x, w, bias, None, _token_head(opt.ignore_index, scalars, vocab), {"y": y}, plan,
                             grads=grads, transform=FlceOptions().transform, ignore_index=opt.ignore_index,
-                            finish=finish, comm=comm, engine=opt.engine)
+                            finish=finish, comm=comm, engine=opt.engine, perm=rows)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
-        dx = None if dx is None else _unpermute(dx, order, seqs)
     loss, nll = cpo_pairs.total(pairwise_sum(out["pair_loss"]), pairwise_sum(out["nll"]), scalars, opt.alpha)
     return loss, (out["logp_c"], out["logp_r"], out["reward_c"], out["reward_r"], nll), dx, dw, db
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from fce_core.rows import safe_targets, target_logits, tile_weights
@@ -289,7 +290,7 @@ def _kept_grads(sw, dz, x_g, dw, db, n_run, n_chunks, rows_run, last=False, scal
 
 
 def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False, False), transform,
-          ignore_index, finish=None, comm=None, trace=None, engine="library"):
+          ignore_index, finish=None, comm=None, trace=None, engine="library", perm=None):
     """One pass over all rows of x [N, H] with w [V, H]. `inputs`: per-row arrays (at least "y"), cut into
     the plan's chunks and handed to the head with each chunk's statistics; the head's outputs are
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
@@ -314,6 +315,9 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     and dW and db stay the shard's.
 
     `engine`: "library" or "fused", as in fce_torch's `sweep`.
+
+    `perm` (a NumPy [N]): the sweep's row r is x's row perm[r] (`inputs` and the outputs are in the sweep's
+    order, dX in x's), each group's rows taken from x by it: CPO's pairs grouped, with no permuted copy of x.
     """
     need = any(grads)
     weights = None
@@ -345,16 +349,22 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         n_chunks = layout(size, plan.rows)[1]
         return lax.cond(n_run == n_chunks, lambda: group(n_chunks), lambda: group(n_run))
 
+    def x_rows(sl):
+        return sl(x) if perm is None else jnp.take(x, sl(jnp.asarray(perm)), axis=0)
+
+    def in_x_order(dx):
+        return dx if dx is None or perm is None else dx[np.argsort(perm)]
+
     if plan.group_rows is None:
-        outputs, dx, dw, db = valid_first_pass(x, inputs, None, db, trace, whole=True)
-        return outputs, dx, _weight_grad(dw), db
+        outputs, dx, dw, db = valid_first_pass(x_rows(lambda a: a), inputs, None, db, trace, whole=True)
+        return outputs, in_x_order(dx), _weight_grad(dw), db
     g_first, n_groups = layout(plan.n_rows, plan.group_rows)
 
     def group_at(start, dw, db, last=False):
         sl = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=plan.group_rows)
         # A group's chunks need nothing of the groups before it, so XLA could run them before the previous
         # group's GEMMs, with both groups' kept dZ alive (one [rows, V] more at the peak).
-        x_g, inputs_g = _after((sl(x), {k: sl(v) for k, v in inputs.items()}), (dw, db))
+        x_g, inputs_g = _after((x_rows(sl), {k: sl(v) for k, v in inputs.items()}), (dw, db))
         return valid_first_pass(x_g, inputs_g, dw, db, None, last=last)
 
     def middle_group(i, carry):
@@ -364,11 +374,11 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     # The first group starts dW, the middle ones (a loop) add to it, the last ends it: after its product only
     # the (hi, lo) pair's hi is used, so its lo is only read (`dw_accumulate(last=True)`), which XLA would
     # otherwise copy (its update unused) before the GEMM writes it in place.
-    outputs, dx, dw, db = valid_first_pass(x[:g_first], {k: v[:g_first] for k, v in inputs.items()}, None, db,
-                                           trace)
+    outputs, dx, dw, db = valid_first_pass(x_rows(lambda a: a[:g_first]), {k: v[:g_first] for k, v in inputs.items()},
+                                           None, db, trace)
     if n_groups > 2:
         (dw, db), stacked = stack_loop(middle_group, 1, n_groups - 1, (dw, db), n_groups - 2)
         outputs, dx = _flat((outputs, dx), stacked)
     last_outputs, last_dx, dw, db = group_at(plan.n_rows - plan.group_rows, dw, db, last=True)
     outputs, dx = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), (outputs, dx), (last_outputs, last_dx))
-    return outputs, dx, _weight_grad(dw), db
+    return outputs, in_x_order(dx), _weight_grad(dw), db

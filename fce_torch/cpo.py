@@ -76,18 +76,18 @@ def _cpo(x, w, bias, y, opt, validate, comm, needs):
                            torch.full_like(n_chosen, float(vocab))])
     plan = plan_pairs(n_pairs, seq_len, x.shape[1], w.shape[0], x.element_size(),
                       need_grads=any(needs), requested=opt.chunk_rows, engine=opt.engine)
-    order = pair_order(n_pairs, seq_len, plan)
+    order, rows = pair_order(n_pairs, seq_len, plan), None
     seqs = (2 * n_pairs, seq_len, x.shape[1])
-    if order is not None:
+    if order is not None:  # the sweep takes x's rows in this order and gives dX back in x's
         order = _pair_order(n_pairs, seq_len, plan, x.device)
-        x, y = x.view(seqs)[order].view(x.shape), y.view(seqs[:2])[order].view(y.shape)
+        rows = (order[:, None] * seq_len + torch.arange(seq_len, device=x.device)).view(-1)
+        y = y.view(seqs[:2])[order].view(y.shape)
     finish = lambda outputs, inputs: _finish_pairs(outputs, inputs, opt=opt, scalars=scalars)  # noqa: E731
     out, dx, dw, db = sweep(x, w, bias, None, _token_head(opt.ignore_index, scalars, vocab), {"y": y}, plan,
                             grads=tuple(needs), transform=FlceOptions().transform, ignore_index=opt.ignore_index,
-                            check=check, finish=finish, comm=comm, engine=opt.engine)
+                            check=check, finish=finish, comm=comm, engine=opt.engine, perm=rows)
     if order is not None:  # back to the caller's order (the NLL's sum too, so that both ways give one loss)
         out["nll"] = _unpermute(out["nll"], order, seqs[:2])
-        dx = None if dx is None else _unpermute(dx, order, seqs)
     loss, nll = cpo_pairs.total(pairwise_sum(out["pair_loss"]), pairwise_sum(out["nll"]), scalars, opt.alpha)
     return (loss, out["logp_c"], out["logp_r"], out["reward_c"], out["reward_r"], nll,
             *(absent(x) if t is None else t for t in (dx, kept_weight_grad(dw, w.dtype), db)))

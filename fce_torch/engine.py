@@ -54,8 +54,9 @@ def _dz_buffer(z, dtype):
 class _Grads:
     """dX rows, the dW accumulator and db of one sweep. dW (+)= dZ^T X: the first product writes it, in the
     weight's dtype when it is the only one (`single`), else in float32. The dX rows of chunks that may be
-    skipped start at 0. With `order` (the valid-first permutation), rows [r0, r1) of the sweep are x's rows
-    order[r0:r1] (`rows` gathers them per chunk) and their dX goes back to those rows of dx, so that no permuted
+    skipped start at 0. With `order` (the sweep's rows in x: the valid-first permutation, a caller's `perm`, or
+    both composed), rows [r0, r1) of the sweep are x's rows order[r0:r1] (`rows` gathers them per chunk, or
+    per group for the GEMMs over a kept dZ) and their dX goes back to those rows of dx, so that no permuted
     copy of x or dX exists."""
 
     def __init__(self, x, w, grads, single, comm, own=False, order=None):
@@ -143,7 +144,7 @@ class _Grads:
 
 
 def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False, False), transform,
-          ignore_index, check=None, finish=None, comm=None, trace=None, engine="library"):
+          ignore_index, check=None, finish=None, comm=None, trace=None, engine="library", perm=None):
     """One pass over all rows of x [N, H] with w [V, H]. `inputs`: per-row tensors (at least "y"), cut into
     the plan's chunks and handed to the head with each chunk's statistics; the head's outputs are
     concatenated over chunks. Returns (outputs, dx, dw, db) for `grads` = which of (dx, dw, db) to compute;
@@ -170,6 +171,9 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
 
     `engine`: "library" (a library logits GEMM into float32 logits, then the row passes) or "fused" (our logits
     GEMM with the statistics epilogue and 16-bit tile values, `kernels/logit_tiles.py`); docs/NUMERICS.md.
+
+    `perm` [N]: the sweep's row r is x's row perm[r] (`inputs` and the outputs are in the sweep's order, dX in
+    x's): CPO's pairs grouped, with no permuted copy of x or dX.
     """
     n_rows = x.shape[0]
     keep = plan.keep_dz and any(grads)
@@ -179,10 +183,8 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         order, counts = valid_first_in_groups(inputs["y"], ignore_index, groups)
         counts = None if check is None or len(groups) == 1 else HostRead(counts)
         inputs = {k: v[order] for k, v in inputs.items()}
-        if keep:  # the GEMMs over the kept dZ take all rows valid-first
-            x = x[order]
     acc = _Grads(x, w, grads, single=plan.single_product(any(grads)), comm=comm, own=engine == "fused",
-                 order=None if keep else order)
+                 order=_composed(perm, order))
     run = (_FusedChunkRunner if engine == "fused" else _ChunkRunner)(w, bias, class_weights, head, transform, grads,
                                                                     trace, comm)
     outs = []
@@ -200,7 +202,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
                 group_valid = [n_valid] if counts is None else counts.get()
                 n_run = [plan.chunks_to_run(n, size=b1 - b0) for n, (b0, b1) in zip(group_valid, groups)]
                 if n_valid == n_rows:  # valid-first is the caller's order: the rest takes the caller's rows
-                    order, inputs, acc.order = None, caller_inputs, None
+                    order, inputs, acc.order = None, caller_inputs, perm
         if len(pieces) < len(chunks) and not keep:
             acc.skip(g0 + chunks[len(pieces)][0])
         chunks = chunks[:len(pieces)]
@@ -217,8 +219,14 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     if check is not None:
         check.valid_rows()  # read once every chunk is queued, where no chunk needed it
     outputs = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if len(outs) > 1 else outs[0]
-    dx = acc.dx if acc.dx is None or not keep else _rows_back(acc.dx, order, n_rows)
-    return outputs, dx, acc.weight_grad(), acc.db
+    return outputs, acc.dx, acc.weight_grad(), acc.db
+
+
+def _composed(perm, order):
+    """The sweep's rows in x: x's rows `perm` taken in the valid-first `order` (either may be None)."""
+    if perm is None or order is None:
+        return order if perm is None else perm
+    return perm[order]
 
 
 class _ChunkRunner:

@@ -383,6 +383,54 @@ def test_chunks_past_the_valid_rows_do_not_run(n, nc, valid_counts, keep):
         assert (expected.sum() < n) == any(start >= n_valid for start, _ in bounds(n, nc)[1:]), n_valid
 
 
+def _ce_fn(stats, inputs):
+    """Cross-entropy coefficients on the valid rows (a nonzero dZ), and each row's lse."""
+    m, s, y = stats["m"], stats["s"], inputs["y"]
+    valid = (y != IGNORE_INDEX) * (0 * m + 1)
+    log = torch.log if isinstance(m, torch.Tensor) else __import__("jax.numpy").numpy.log
+    return {"lse": m + log(s), "a": valid, "b": -valid, "c": 0 * valid}
+
+
+PERM_PLANS = [Plan(48, 8, True, 16), Plan(48, 8, False, 16), Plan(48, 8, True), Plan(48, 48)]
+
+
+@pytest.mark.parametrize("engine", ["library", "fused"])
+@pytest.mark.parametrize("plan", PERM_PLANS, ids=["kept_groups", "accumulated_groups", "kept", "one_chunk"])
+def test_sweep_takes_x_rows_by_perm(plan, engine):
+    """A sweep given x and `perm` equals the sweep of the permuted copy x[perm], bit for bit, in both twins:
+    the same outputs (in the sweep's order), dW and db, and dX in x's order (the copy's dX put back); with
+    ignored rows, so that chunks are skipped and the valid-first order composes with perm."""
+    from fce_jax import engine as jax_engine
+    from fce_torch import engine as torch_engine
+    from fce_torch.checks import ValueCheck
+
+    n, h, v = plan.n_rows, 8, 40
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g), torch.randn(v, generator=g)
+    y = _targets(n, v, 20, seed=5)
+    perm = torch.randperm(n, generator=g)
+    kw = dict(grads=(True, True, True), transform=Transform(), ignore_index=IGNORE_INDEX, engine=engine)
+    head_t, head_j = torch_engine.Head(_ce_fn, StatsSpec()), jax_engine.Head(_ce_fn, StatsSpec())
+    check = lambda: ValueCheck(y, v, IGNORE_INDEX)  # noqa: E731
+    by_perm = torch_engine.sweep(x, w, b, None, head_t, {"y": y}, plan, check=check(), perm=perm, **kw)
+    copied = torch_engine.sweep(x[perm], w, b, None, head_t, {"y": y}, plan, check=check(), **kw)
+    def j_sweep(x_in, p):
+        run = quick_jit(lambda x, w, b, y: jax_engine.sweep(x, w, b, None, head_j, {"y": y}, plan, perm=p, **kw))
+        return run(to_jax(x_in), to_jax(w), to_jax(b), to_jax(y))
+
+    j_by_perm, j_copied = j_sweep(x, perm.numpy()), j_sweep(x[perm], None)
+    for got, ref in ((by_perm, copied), (j_by_perm, j_copied)):
+        dx, dw, db = (_np(a) for a in got[1:])
+        ref_dx, ref_dw, ref_db = (_np(a) for a in ref[1:])
+        assert set(got[0]) == set(ref[0]) and all(np.array_equal(_np(got[0][k]), _np(ref[0][k])) for k in got[0])
+        assert dx.any() and np.array_equal(dx[perm.numpy()], ref_dx)
+        assert np.array_equal(dw, ref_dw) and np.array_equal(db, ref_db)
+
+
+def _np(a):
+    return a.detach().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+
+
 def _count_logits_gemms(twin, monkeypatch, vocab):
     """Monkeypatch the twin's gemm.mm to count the executed logits GEMMs ([rows, H] x [V, H]^T, float32 out);
     returns the list of their row counts (JAX: one runtime callback per executed GEMM)."""
