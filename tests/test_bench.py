@@ -170,6 +170,33 @@ def test_cpo_smoke(bench):
     assert (out / "cpo.md").exists() and (out / "cpo_time.png").exists()
 
 
+def test_steady_rates_reads_the_smi_samples(tmp_path):
+    """tools/steady_rates.py's nvidia-smi samples: parsed per line (a line that is not a sample left out) and
+    attached to the phases they fall in (median clock and power, the set of reasons)."""
+    import datetime
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import steady_rates
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    path = tmp_path / "smi.csv"
+    path.write_text("2026/12/04 20:18:30.671, 1980 MHz, 122.05 W, 0x0000000000000000\n"
+                    "Failed to read\n"
+                    "2026/12/04 20:18:31.000, 1395 MHz, 694.31 W, 0x0000000000000004\n"
+                    "2026/12/04 20:18:31.020, 1410 MHz, 690.00 W, 0x0000000000000004\n")
+    samples = steady_rates.smi_rows(path)
+    t0 = datetime.datetime(2026, 12, 4, 20, 18, 30, 671000).timestamp()
+    assert [q[1:] for q in samples] == [(1980.0, 122.05, "0x0000000000000000"), (1395.0, 694.31, "0x0000000000000004"),
+                                        (1410.0, 690.0, "0x0000000000000004")]
+    assert abs(samples[0][0] - t0) < 1e-3
+    rows = steady_rates.with_samples([dict(start=t0 + 0.2, stop=t0 + 0.4), dict(start=t0 + 5, stop=t0 + 6)],
+                                     samples)
+    assert rows[0] == dict(start=t0 + 0.2, stop=t0 + 0.4, sm_mhz_median=1410.0, watts_median=694.31,
+                           reasons=["0x0000000000000004"])
+    assert "reasons" not in rows[1]
+
+
 def test_trace_gaps_sums_the_device_idle_time(tmp_path):
     """tools/trace_gaps.py on a made-up trace of one step: busy time, span, and the idle gaps by neighbours
     (gaps under MIN_GAP_US and host events left out)."""
