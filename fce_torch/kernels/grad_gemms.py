@@ -164,11 +164,14 @@ def flattened(cfg, mode):
 
 def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
     """C (or its `slices` [m, n] planes, one per slice of K: C [slices, m, n]) = A @ B with the epilogue
-    `mode`: A [m, k] is `a`, or `a`ᵀ when `a_t` (`a` [k, m]); B [k, n] is `b`; all with unit column strides,
-    C's rows contiguous."""
+    `mode`: A [m, k] is `a`'s first m rows, or `a`ᵀ when `a_t` (`a`'s first k rows); B [k, n] is `b`'s first k
+    rows; all with unit column strides, C's rows contiguous. The operands are cut to those rows (views): a
+    descriptor's loads take whole tiles, bounded by its array, and the rows past them may hold no values (a
+    kept dZ's rows that did not run)."""
     cfg = cfg or _config()
     if m == 0 or n == 0:
         return
+    a, b = a[:k] if a_t else a[:m], b[:k]
     slice_k = triton.cdiv(triton.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
     (aa, bb), tma = descriptors([(a, a_block), (b, (cfg.tile_k, cfg.tile_n))], cfg)
@@ -213,11 +216,9 @@ def _dw_config(hidden):
 
 def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None, rows=None):
     """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`, K the
-    first `rows` rows (default all). The operands are cut at K: a descriptor's loads take whole K steps,
-    bounded by its array, and the rows past `rows` hold no values (a kept dZ's rows that did not run)."""
-    k = dz.shape[0] if rows is None else rows
-    _run(dz[:k], True, x[:k], c, lo, dz.shape[1], x.shape[1], k, mode, first=first, precision=precision,
-         cfg=cfg or _dw_config(x.shape[1]))
+    first `rows` rows (default all)."""
+    _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0] if rows is None else rows, mode, first=first,
+         precision=precision, cfg=cfg or _dw_config(x.shape[1]))
 
 
 def dw_gemm(dz, x, dtype, precision="ieee", cfg=None, rows=None):

@@ -1,10 +1,11 @@
-"""GPU check (not committed): the fused engine's dW where a kept dZ's chunks are skipped and K = the rows that
-ran ends mid-step (N = 5000, chunks of 1024: the first 904 rows), the caching allocator's memory made NaN first."""
-import sys
-import numpy as np
+"""GPU check of this folder's README: the fused engine's dW where a kept dZ's chunks are skipped and K = the rows
+that ran ends mid-step (N = 5000, chunks of 1024: the first 904 rows), the caching allocator's memory made NaN
+first. Run from the repository root."""
+import jax
 import torch
-import jax, jax.numpy as jnp
-import fce_torch, fce_jax
+
+import fce_jax
+import fce_torch
 
 n, h, v = 5000, 4096, 32000
 g = torch.Generator(device="cuda").manual_seed(0)
