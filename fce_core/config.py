@@ -90,6 +90,7 @@ class GemmConfig:
     tma: bool = True
     persistent: bool = True
     flatten: bool = False
+    programs_per_sm: int = 1  # persistent programs per multiprocessor: two overlap one's epilogue with the other's MMAs
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class GradGemmConfig:
     tma: bool = False
     persistent: bool = False
     flatten: bool = False  # as GemmConfig's (fce_torch), where K is not sliced and C is not added to
+    programs_per_sm: int = 1  # as GemmConfig's (fce_torch)
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
 
 

@@ -437,7 +437,8 @@ def test_logit_tiles_and_merge(k, name):
 
 
 LAUNCHES = [dict(tma=t, persistent=p) for t in (False, True) for p in (False, True)] + [
-    dict(tile_m=32, tile_n=32, tma=True, persistent=True), dict(tma=True, persistent=True, flatten=True)]
+    dict(tile_m=32, tile_n=32, tma=True, persistent=True), dict(tma=True, persistent=True, flatten=True),
+    dict(tile_m=32, tma=True, persistent=True, programs_per_sm=2)]
 
 
 def test_twins_share_the_grad_gemm_numerics():
@@ -482,15 +483,18 @@ def test_torch_dx_launch_takes_the_fewest_rounds(monkeypatch):
 
 @pytest.mark.parametrize("dtype, hidden", [("bfloat16", 48), ("float32", 20), ("bfloat16", 20)])
 def test_torch_launch_variants_same_bits(dtype, hidden):
-    """fce_torch's GEMMs with and without TMA operand loads, the persistent launch and other tiles (dX/dW):
-    the same bits for the logits GEMM's tile values and partials, dX over several V slices, and dW written,
-    accumulated in float32 and as the (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are not TMA-aligned:
+    """fce_torch's GEMMs with and without TMA operand loads, the persistent launch (two programs per
+    multiprocessor too) and other tiles (the logits GEMM's rows, dX/dW): the same bits for the logits GEMM's
+    tile values and partials, dX over several V slices, and dW written, accumulated in float32 and as the (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are not TMA-aligned:
     pointer loads there."""
     from fce_core.config import GRAD_GEMM_INTERPRETER
     from fce_core.plan import dx_slices
     from fce_torch.kernels import grad_gemms, logit_tiles
-    from fce_torch.kernels.tma import tma_ready
+    from fce_torch.kernels.tma import programs, tma_ready
 
+    two_per_sm = dataclasses.replace(GEMM_INTERPRETER, persistent=True, programs_per_sm=2)
+    cpu = torch.device("cpu")  # two processors there
+    assert programs(100, two_per_sm, cpu) == 4 and programs(3, two_per_sm, cpu) == 3
     n, v = 37, 304   # rows of V values are TMA-aligned, V is not a multiple of the tile width
     dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(7)
@@ -502,7 +506,7 @@ def test_torch_launch_variants_same_bits(dtype, hidden):
     precision = "ieee"
     runs = []
     for launch in LAUNCHES:
-        cfg = dataclasses.replace(GEMM_INTERPRETER, tma=launch["tma"], persistent=launch["persistent"])
+        cfg = dataclasses.replace(GEMM_INTERPRETER, **{k: v for k, v in launch.items() if k != "tile_n"})
         grad_cfg = dataclasses.replace(GRAD_GEMM_INTERPRETER, **launch)
         e, parts = logit_tiles.logit_tiles(x, w, None, y, None, spec=StatsSpec(q=True, pz=True),
                                            transform=Transform(), precision=precision, cfg=cfg)

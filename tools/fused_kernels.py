@@ -30,10 +30,16 @@ from fce_jax.kernels import logit_tiles as jt
 from fce_torch.kernels import grad_gemms as tg
 from fce_torch.kernels import logit_tiles as tt
 
-LAUNCH = dict(tma=False, persistent=False)  # fce_torch's pointer-load kernels, one program per tile
+LAUNCH = dict(tma=False, persistent=False, programs_per_sm=1)  # fce_torch's pointer-load kernels, one program per tile
 VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
     dict(tma=True, persistent=True), dict(tma=True), {}, dict(tma=True, persistent=True, num_stages=4),
-    dict(tma=True, num_stages=4), dict(num_stages=4))]
+    dict(tma=True, num_stages=4), dict(num_stages=4),
+    # two programs per multiprocessor (registers and shared memory for both): one's epilogue beside the other's MMAs
+    dict(tma=True, tile_m=64, num_warps=4, num_stages=2), dict(tma=True, persistent=True, programs_per_sm=2,
+                                                               tile_m=64, num_warps=4, num_stages=2),
+    dict(tma=True, tile_m=64, num_warps=4, num_stages=3), dict(tma=True, tile_n=128, num_warps=4),
+    dict(tma=True, persistent=True, programs_per_sm=2, tile_n=128, num_warps=4),
+    dict(tma=True, tile_n=128, num_warps=8))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
     {}, dict(flatten=False), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=False))]
 # the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, and 128x256)
@@ -43,6 +49,7 @@ JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_
 def _tag(cfg):
     return (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
             + " tma" * cfg.tma + " persistent" * cfg.persistent + " flatten" * cfg.flatten
+            + f" {cfg.programs_per_sm}/sm" * (cfg.persistent and cfg.programs_per_sm > 1)
             + " mosaic" * getattr(cfg, "mosaic", False))
 
 

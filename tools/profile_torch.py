@@ -7,7 +7,11 @@ the fused engine's timeline with and without the host check of the values (`vali
 back-to-back fwd+bwd, and a chrome trace of 5 (DIR/trace_NxHxV_validate_{True,False}.json) whose GPU gaps show
 where the device waits on the host.
 
-Usage (GPU): python tools/profile_torch.py [--host | --trace DIR] N,H,V [N,H,V ...]. A development tool.
+With --logprobs, the kernel profile of `fused_token_logprobs` (entropy too, random cotangents on both outputs)
+per engine instead of the loss: where the fused engine's time on the log-probs goes.
+
+Usage (GPU): python tools/profile_torch.py [--host | --trace DIR | --logprobs] N,H,V [N,H,V ...]. A development
+tool.
 """
 import sys
 import time
@@ -23,6 +27,11 @@ REPS = 3
 def _step(x, w, y, engine, validate=True):
     x.grad = w.grad = None
     fce_torch.fused_lce(x, w, y, engine=engine, validate=validate).backward()
+
+
+def _logprobs_step(x, w, y, engine, cotangents):
+    x.grad = w.grad = None
+    torch.autograd.backward(fce_torch.fused_token_logprobs(x, w, y, return_entropy=True, engine=engine), cotangents)
 
 
 def launch_costs(reps=2000):
@@ -87,6 +96,7 @@ def main():
     args = sys.argv[1:]
     host = "--host" in args
     trace = args[args.index("--trace") + 1] if "--trace" in args else None
+    logprobs = "--logprobs" in args
     specs = [a for a in args if "," in a]
     for spec in specs or ["4096,4096,128256"]:
         n, h, v = (int(s) for s in spec.split(","))
@@ -96,21 +106,29 @@ def main():
         if trace:
             timeline(x, w, y, trace)
             continue
+        cotangents = (torch.randn(n, device="cuda"), torch.randn(n, device="cuda"))
         for engine in ("library", "fused"):
             if host:
                 host_profile(x, w, y, engine)
                 continue
+
+            def step():
+                if logprobs:
+                    _logprobs_step(x, w, y, engine, cotangents)
+                else:
+                    _step(x, w, y, engine)
+
             for _ in range(3):
-                _step(x, w, y, engine)
+                step()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(REPS):
-                _step(x, w, y, engine)
+                step()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / REPS * 1e3
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(REPS):
-                    _step(x, w, y, engine)
+                    step()
                 torch.cuda.synchronize()
             events = prof.key_averages()
             kernels = sum(e.device_time_total for e in prof.events()
@@ -118,7 +136,7 @@ def main():
             print(f"\n== {n},{h},{v} engine={engine}: wall {wall:.3f} ms per fwd+bwd, kernels "
                   f"{kernels / REPS / 1e3:.3f} ms")
             print(events.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-    if not host and not trace:
+    if not (host or trace or logprobs):
         launch_costs()
 
 

@@ -61,6 +61,6 @@ def processors(device):
 
 
 def programs(n_tiles, cfg, device):
-    """Programs to launch for `n_tiles` output tiles: one each, or with `cfg.persistent` at most one per
-    `processors(device)`, each computing every that-many-th tile."""
-    return min(n_tiles, processors(device)) if cfg.persistent else n_tiles
+    """Programs to launch for `n_tiles` output tiles: one each, or with `cfg.persistent` at most
+    `cfg.programs_per_sm` per `processors(device)`, each computing every that-many-th tile."""
+    return min(n_tiles, processors(device) * cfg.programs_per_sm) if cfg.persistent else n_tiles
