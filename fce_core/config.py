@@ -80,7 +80,9 @@ class GemmConfig:
     memory accelerator where their strides allow) and `persistent` (one program per multiprocessor, looping
     over the tiles) apply to fce_torch's Triton kernels: the Pallas Triton lowering has neither; speed only.
     `flatten` (fce_torch, persistent): the tile loop and its K loop pipelined as one (Triton's
-    `tl.range(flatten=True)`), so that the next tile's loads overlap this tile's epilogue; speed only."""
+    `tl.range(flatten=True)`), so that the next tile's loads overlap this tile's epilogue; speed only.
+    `mosaic` (the JAX twin): the kernel on Pallas Mosaic GPU where it applies
+    (fce_jax/kernels/logit_tiles_mgpu.py), with the same bits; speed only."""
     NUMERICS = ("tile_n",)
     tile_m: int = 128
     tile_n: int = 256   # a power of two (the partial sums' tree)
@@ -91,6 +93,7 @@ class GemmConfig:
     persistent: bool = True
     flatten: bool = False
     programs_per_sm: int = 1  # persistent programs per multiprocessor: two overlap one's epilogue with the other's MMAs
+    mosaic: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,11 @@ GRAD_SCALE = BlockConfig(block=4096, num_warps=8, max_programs=1024)
 GEMM = GemmConfig()
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
+# The JAX twin's logits GEMM on Pallas Mosaic GPU (two compute warpgroups of 64 rows, TMA, persistent): opt-in,
+# not yet timed on the GPU (tools/fused_kernels.py times it against the Triton lowering's and fce_torch's).
+GEMM_MOSAIC = dataclasses.replace(GEMM, tma=True, persistent=True, mosaic=True)
+GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GEMM_INTERPRETER, tile_m=128, num_stages=2, tma=True, persistent=True,
+                                              mosaic=True)
 GRAD_GEMM = GradGemmConfig()
 # fce_torch's launch of the same GEMMs (NUMERICS as GRAD_GEMM): TMA loads and wider persistent tiles, faster in
 # Triton (tools/fused_kernels.py); the JAX twin's fused engine was slower on 128x256 tiles at N >= 16384 and at

@@ -5,6 +5,7 @@ takes the remainder, then a loop over the full chunks after it: fce_torch's orde
 log-probs, CPO). How its result reaches autodiff is autodiff.py's. Twin: fce_torch/engine.py.
 """
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -79,11 +80,11 @@ class _Sweep:
     engine: str = "library"
     tile_weights: object = None
 
-    def chunk(self, acc, x_c, inputs, r0, trace):
+    def chunk(self, acc, x_c, inputs, r0, trace, r0_multiple=1):
         """One chunk: (acc, out, dx_c). acc is (dW accumulator or None, db) without kept dZ, else the group's
-        [rows, V] dZ into which this chunk writes its rows from r0."""
+        [rows, V] dZ into which this chunk writes its rows from r0 (traced: a multiple of `r0_multiple`)."""
         if self.engine == "fused":
-            return self.fused_chunk(acc, x_c, inputs, r0, trace)
+            return self.fused_chunk(acc, x_c, inputs, r0, trace, r0_multiple)
         z = gemm.mm(x_c, self.w, F32, b_t=True)
         y, comm = inputs["y"], self.comm
         r_y = target_logits(arrays, z, y, self.bias) if comm is None else comm.target_logits(z, y, self.bias)
@@ -109,7 +110,7 @@ class _Sweep:
         dx_c, dw, db = self.add(dz, x_c, *acc)
         return (dw, db), out, dx_c
 
-    def fused_chunk(self, acc, x_c, inputs, r0, trace):
+    def fused_chunk(self, acc, x_c, inputs, r0, trace, r0_multiple=1):
         """`chunk` on the fused engine: the tile values go into the kept dZ rows (or a new [rows, V] array in
         the input dtype, not written without gradients) and dZ overwrites them. Vocab-parallel, the target
         logit is the owner shard's and the shards' statistics are merged, as in `chunk`."""
@@ -119,7 +120,8 @@ class _Sweep:
         row0 = r0 if self.keep else 0
         e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, local, vocab), self.class_weights,
                                spec=self.head.stats, transform=self.transform, precision=gemm.pallas_precision(x_c),
-                               store=need, row0=row0, **(_kept(acc) if self.keep else {}))
+                               store=need, row0=row0, row0_multiple=r0_multiple,
+                               **(_kept(acc) if self.keep else {}))
         zy = None if comm is None else comm.owner_values(jnp.max(parts["zy"], axis=1), y, vocab)
         stats = merge_tiles(parts, vocab, self.tile_weights, zy=zy)
         if comm is not None:
@@ -232,7 +234,7 @@ def _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace, order=None):
         acc, dx = carry
         r0 = first + (i - 1) * plan.rows
         inputs = {k: lax.dynamic_slice_in_dim(v, r0, plan.rows) for k, v in inputs_g.items()}
-        acc, out, dx_c = sw.chunk(acc, rows(r0, plan.rows), inputs, r0, None)
+        acc, out, dx_c = sw.chunk(acc, rows(r0, plan.rows), inputs, r0, None, math.gcd(first, plan.rows))
         return (acc, dx if dx is None else place(dx, dx_c, r0)), out
 
     acc, out, dx_c = sw.chunk(acc, rows(0, first), {k: v[:first] for k, v in inputs_g.items()}, 0, trace)

@@ -23,6 +23,7 @@ plans its chunks and `fce_core.contract.check_engine` its refusals.
 """
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -946,3 +947,204 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
         text = lowered(lambda a, b: jg.dx_gemm(a, b, dt), s((256, v), dt), s((v, 64), dt))
         assert "mosaic_gpu" not in text and "xla.gpu.triton" in text
     assert dx_slices(256, 4096, 128256, cfg) > 1 and dx_slices(1024, 4096, 128256, cfg) == 1
+
+
+def _mosaic_tile_inputs(n):
+    """Exact operands (x in quarters, w in 16ths: every logit exact in float32, every K order the same sums):
+    n rows, H = 48 (3 K steps of 16), V = 320 (a partial tile of 128 columns)."""
+    g = torch.Generator().manual_seed(17 + n)
+    x = (torch.randint(-8, 9, (n, 48), generator=g) / 4.0).to(torch.bfloat16)
+    w = (torch.randint(-16, 17, (320, 48), generator=g) / 16.0).to(torch.bfloat16)
+    y = torch.randint(0, 320, (n,), generator=g).to(torch.int32)
+    return x, w, y
+
+
+def test_jax_mosaic_logit_tiles(monkeypatch):
+    """The JAX twin's logits GEMM on Mosaic GPU (GemmConfig.mosaic, in Mosaic GPU's interpret mode) against the
+    Triton lowering's kernel and fce_torch's at the same tile width (128), on 200 rows (a partial row block):
+    the tile maxima, first argmax, target logit and q = Σ (z - m_t) bit for bit (exact operands: every sum
+    exact), s, pz and the stored e within their float32 and bfloat16 rounding of float64; the same partials
+    without `store`; the cases it leaves to the Triton lowering (`supports`)."""
+    import jax.numpy as jnp
+
+    from fce_core.config import GEMM_MOSAIC_INTERPRETER
+    from fce_jax.kernels import logit_tiles as jt
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+    from fce_torch.kernels import logit_tiles as tt
+
+    x, w, y = _mosaic_tile_inputs(200)
+    xj, wj, yj = to_jax(x), to_jax(w), to_jax(y)
+    mosaic, triton_cfg = (dataclasses.replace(c, tile_n=128) for c in (GEMM_MOSAIC_INTERPRETER, GEMM_INTERPRETER))
+    spec, tr = StatsSpec(q=True, pz=True), Transform()
+    assert jm.supports(xj, wj, None, None, tr, mosaic)
+    calls = []
+    monkeypatch.setattr(jt, "mosaic_logit_tiles", lambda *a, **kw: calls.append(kw["store"]) or
+                        jm.mosaic_logit_tiles(*a, **kw))
+    kw = dict(spec=spec, transform=tr, precision=None)
+    e, parts = jt.logit_tiles(xj, wj, None, yj, None, cfg=mosaic, **kw)
+    e_none, parts_none = jt.logit_tiles(xj, wj, None, yj, None, cfg=mosaic, store=False, **kw)
+    _, parts_triton = jt.logit_tiles(xj, wj, None, yj, None, cfg=triton_cfg, **kw)
+    _, parts_torch = tt.logit_tiles(x, w, None, y.long(), None, spec=spec, transform=tr, precision="ieee",
+                                    cfg=triton_cfg)
+    assert calls == [True, False] and e_none is None and set(parts) == {"m", "s", "amax", "zy", "q", "pz"}
+    for key in parts:
+        assert parts[key].shape == (200, 3) and np.array_equal(np.asarray(parts[key]), np.asarray(parts_none[key]))
+        if key not in ("s", "pz"):
+            assert np.array_equal(as_float64(parts[key]), as_float64(parts_triton[key])), key
+            assert np.array_equal(as_float64(parts[key]), as_float64(parts_torch[key])), key
+    z = torch.full((200, 384), -math.inf, dtype=F64)
+    z[:, :320] = x.double() @ w.double().T
+    m_t = z.view(200, 3, 128).max(dim=2).values
+    assert np.array_equal(as_float64(parts["m"]), m_t.numpy())
+    d = (z.view(200, 3, 128) - m_t[..., None]).nan_to_num(neginf=0.0)
+    e64 = torch.exp(z.view(200, 3, 128) - m_t[..., None])
+    s64, pz64 = e64.sum(dim=2), (e64 * d).sum(dim=2)
+    _assert_within(torch.from_numpy(as_float64(parts["s"])), s64, 1e-5 * s64, "s")
+    _assert_within(torch.from_numpy(as_float64(parts["pz"])), pz64, 1e-5 * (e64 * d.abs()).sum(dim=2), "pz")
+    e64 = e64.view(200, 384)[:, :320]
+    _assert_within(torch.from_numpy(as_float64(e)), e64, 2 ** -8 * e64 + 1e-6, "e")
+    # the Triton lowering's cases: a bias, class weights, a softcap, a V that is not a multiple of 64, float32,
+    # into another array's rows from a partial block
+    f32 = jnp.zeros((320,), jnp.float32)
+    assert not jm.supports(xj, wj, f32, None, tr, mosaic) and not jm.supports(xj, wj, None, f32, tr, mosaic)
+    assert not jm.supports(xj, wj, None, None, Transform(softcap=30.0), mosaic)
+    assert not jm.supports(xj, wj[:312], None, None, tr, mosaic)
+    assert not jm.supports(xj.astype(jnp.float32), wj.astype(jnp.float32), None, None, tr, mosaic)
+    assert not jm.supports(xj, wj, None, None, tr, mosaic, out_rows=400)
+    assert jm.supports(xj[:192], wj, None, None, tr, mosaic, out_rows=400)
+
+
+def test_jax_mosaic_logit_tiles_into_rows():
+    """The Mosaic GPU logits GEMM writing its tile values into rows [row0, row0 + n) of a larger array, as the
+    engine's kept dZ takes them (`into`, a traced row0), or of a new one (`out_rows`): 192 rows (the second
+    tile's second warpgroup has none, and must not store), rows outside untouched, the same values as on their
+    own."""
+    import jax
+    import jax.numpy as jnp
+
+    from fce_core.config import GEMM_MOSAIC_INTERPRETER as mosaic
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+
+    x, w, y = _mosaic_tile_inputs(192)
+    xj, wj, yj = to_jax(x), to_jax(w), to_jax(y)
+    kw = dict(has_q=False, has_pz=False, store=True, cfg=mosaic)
+    alone, parts = jm.mosaic_logit_tiles(xj, wj, yj, **kw)
+    into = jnp.full((448, 320), 3.0, jnp.bfloat16)
+    got, parts_into = jax.jit(lambda i, r: jm.mosaic_logit_tiles(xj, wj, yj, into=i, row0=r, **kw))(into, 64)
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.all(got[:64] == 3.0) and np.all(got[256:] == 3.0)
+    assert np.array_equal(got[64:256], np.asarray(alone.astype(jnp.float32)))
+    new, _ = jm.mosaic_logit_tiles(xj, wj, yj, row0=128, out_rows=448, **kw)
+    assert new.shape == (448, 320) and np.array_equal(np.asarray(new[128:320]), np.asarray(alone))
+    for key in parts:
+        assert np.array_equal(np.asarray(parts[key]), np.asarray(parts_into[key])), key
+
+
+def test_jax_mosaic_tree_sum_is_the_pairwise_tree():
+    """`logit_tiles_mgpu.tree_sum` (its interpret branch) adds as fce_torch's `pairwise_sum` does, bit for bit,
+    on values whose sum depends on the order."""
+    import jax.numpy as jnp
+
+    from fce_jax.kernels.logit_tiles_mgpu import tree_sum
+    from fce_torch.sums import pairwise_sum
+
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(16, 256, generator=g) * torch.exp2(torch.randint(-20, 20, (16, 256), generator=g).float())
+    got = np.asarray(tree_sum(jnp.asarray(v.numpy())))
+    assert np.array_equal(got.view(np.uint32), pairwise_sum(v).numpy().view(np.uint32))
+    assert not np.array_equal(got, v.sum(dim=1).numpy())  # the order matters for these values
+
+
+def test_jax_mosaic_logit_tiles_lower_for_the_gpu(monkeypatch):
+    """The Mosaic GPU logits GEMM as the GPU builds it (GEMM_MOSAIC, 132 programs), lowered for CUDA on this
+    CPU at the bench's chunk shapes, with and without the tile values: Pallas' lowering and Mosaic GPU's layout
+    inference accept it. And the tree's leaf: Mosaic GPU reduces 8 columns of its WGMMA layout as the pairwise
+    tree adds them: a thread's two adjacent columns, then the lanes 1 apart, then 2 apart (read from the lowered
+    module: a shuffle order that another jax version may change, so the GPU's twin check has the last word)."""
+    import re
+
+    import jax
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.numpy as jnp
+    from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
+
+    from fce_core.config import GEMM, GEMM_MOSAIC
+    from fce_jax.kernels import launch, mgpu
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+
+    assert GEMM_MOSAIC.tile_n == GEMM.tile_n  # the partials' width: the same bits as the default's
+
+    for module in (launch, mgpu, jm):
+        monkeypatch.setattr(module, "interpret_mode", lambda: False)
+    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
+    s = jax.ShapeDtypeStruct
+
+    def lowered(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    for n, h, v in ((1024, 4096, 128256), (512, 640, 262144), (768, 896, 151936), (200, 48, 320)):
+        for store in (True, False):
+            text = lowered(lambda x, w, y: jm.mosaic_logit_tiles(x, w, y, has_q=store, has_pz=store, store=store,
+                                                                 cfg=GEMM_MOSAIC),
+                           s((n, h), jnp.bfloat16), s((v, h), jnp.bfloat16), s((n,), jnp.int32))
+            assert "mosaic_gpu" in text
+
+    modules = []
+    lower_dialect = pallas_lowering.mgpu.lower_mgpu_dialect
+
+    def keep(module, *args, **kw):
+        out = lower_dialect(module, *args, **kw)
+        modules.append(str(module))
+        return out
+
+    monkeypatch.setattr(pallas_lowering.mgpu, "lower_mgpu_dialect", keep)
+
+    def body(x_gmem, o_gmem):
+        @functools.partial(pl.run_scoped, xs=plgpu.SMEM((64, 16), jnp.float32), os_=plgpu.SMEM((64,), jnp.float32))
+        def _(xs, os_):
+            os_[...] = jm.tree_sum(plgpu.layout_cast(xs[...], plgpu.Layout.WGMMA))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(os_, o_gmem)
+            plgpu.wait_smem_to_gmem(0)
+
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    kernel = pl.kernel(body, out_type=s((64,), jnp.float32), mesh=plgpu.Mesh(grid=(1,), grid_names=("sm",)),
+                       compiler_params=params)
+    lowered(kernel, s((64, 16), jnp.float32))
+    steps = re.findall(r"vector\.extract %\S+\[(\d)\] : f32 from vector<2xf32>|shfl\.sync bfly %\S+, %\S+, %c(\d+)_i32",
+                       modules[-1])
+    # two leaves of 8 columns, two rows per thread: each column pair, then lanes 1 and 2 apart
+    assert [a or b for a, b in steps] == ["0", "1", "1", "2"] * 4
+
+
+MOSAIC_LOGITS_CASES = {  # V a multiple of 64 and no bias: the Mosaic GPU logits kernel's cases
+    "chunks_smoothing": (Case("mosaiclt", (200,), 16, 320, "bfloat16", label_smoothing=0.1, seed=141), 64),
+    "kept_dz_z_loss": (Case("mosaickept", (136,), 256, 320, "bfloat16", z_loss=1e-3, seed=142), 64),
+}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_LOGITS_CASES))
+def test_jax_fused_engine_on_mosaic_logits(monkeypatch, name):
+    """The JAX fused engine with its logits GEMM on Mosaic GPU (GEMM_MOSAIC_INTERPRETER in its interpret mode):
+    chunks of 64 rows after a first of 8, their tile values written
+    new (`chunks_smoothing`) or into the kept dZ from a traced row (`kept_dz_z_loss`, whose first chunk of 8
+    rows takes the Triton lowering: not whole 64-row blocks); loss, dx, dw and the stats within the SPEC
+    bounds of float64, and the Mosaic logits kernel ran on the later chunks."""
+    from fce_core.config import GEMM_MOSAIC_INTERPRETER
+    from fce_jax.kernels import logit_tiles as jt
+    from twins import JAX
+
+    launches = []
+    mosaic_logit_tiles = jt.mosaic_logit_tiles
+    monkeypatch.setattr(jt, "mosaic_logit_tiles", lambda x, *a, **kw: launches.append(x.shape[0]) or
+                        mosaic_logit_tiles(x, *a, **kw))
+    monkeypatch.setattr(jt, "gemm_config", lambda cfg=None: cfg or GEMM_MOSAIC_INTERPRETER)
+    case, chunk_rows = MOSAIC_LOGITS_CASES[name]
+    case = _fused(case)
+    inp = make_inputs(case)
+    out = JAX.run(inp, case.options(), chunk_rows=chunk_rows, fresh=True)
+    _check(JAX, case, inp, out)
+    kept = name.startswith("kept")
+    assert launches and set(launches) == ({64} if kept else {8, 64}), launches
+    assert GEMM_MOSAIC_INTERPRETER.tile_n == GEMM_INTERPRETER.tile_n  # the same partials as the default's

@@ -1,5 +1,6 @@
 """The fused engine's kernels on the GPU, one call: every GemmConfig variant of the logits GEMM with its
-statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile values and partials), against
+statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile values and partials; the JAX
+twin's Mosaic GPU kernel, GEMM_MOSAIC, against fce_torch's default), against
 cuBLAS / XLA's plain logits GEMM; then the dX and dW GEMMs and the (hi, lo) accumulation, in each twin's
 launch variants (fce_torch's Triton, the JAX twin's Mosaic GPU and Triton), every one's bits against fce_torch's
 default.
@@ -21,7 +22,7 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from fce_core.config import GEMM, GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_TORCH
+from fce_core.config import GEMM, GEMM_MOSAIC, GRAD_GEMM, GRAD_GEMM_MOSAIC, GRAD_GEMM_TORCH
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_core.plan import fused_rows
@@ -107,6 +108,25 @@ def grad_rows(n, h, v):
     return rows
 
 
+def _mosaic_logits_row(x, w, y, xj, wj, yj, flop):
+    """The JAX twin's logits GEMM on Mosaic GPU (GEMM_MOSAIC) against fce_torch's default (GEMM): both times, and
+    the bits of the tile values and partials."""
+    kw = dict(spec=StatsSpec(), transform=Transform())
+    row = dict(shape=tuple(x.shape) + (w.shape[0],), cfg=f"jax {_tag(GEMM_MOSAIC)} vs torch default")
+    try:
+        run_t = lambda: tt.logit_tiles(x, w, None, y, None, precision="ieee", cfg=GEMM, **kw)  # noqa: E731
+        fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, None, c, None, precision=None, cfg=GEMM_MOSAIC, **kw))
+        row["torch_ms"] = best_ms(run_t)
+        row["jax_ms"] = best_ms(lambda: jax.block_until_ready(fj(xj, wj, yj)))
+        (e_t, p_t), (e_j, p_j) = run_t(), fj(xj, wj, yj)
+        row["tflops_torch"], row["tflops_jax"] = flop / row["torch_ms"] / 1e9, flop / row["jax_ms"] / 1e9
+        row["bits_e"] = bool(np.array_equal(_bits(e_t), _bits(e_j)))
+        row["bits_parts"] = _same_parts(p_t, p_j)
+    except Exception as exc:  # noqa: BLE001  (reported: the kernel has not run on a GPU before)
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+    return row
+
+
 def best_ms(fn, reps=10, rounds=3):
     """ms per call: the best of `rounds` rounds of `reps` calls back to back (one call with a synchronization
     each had varied by 15% between identical kernels)."""
@@ -120,6 +140,12 @@ def best_ms(fn, reps=10, rounds=3):
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t) / reps)
     return best * 1e3
+
+
+def _same_parts(p_t, p_j):
+    """Per partial of the logits GEMM: whether fce_torch's and the JAX twin's are bit for bit equal."""
+    return {k: bool(np.array_equal(_bits(p_t[k]) if k != "amax" else p_t[k].cpu().numpy(),
+                                   _bits(p_j[k]) if k != "amax" else np.asarray(p_j[k]))) for k in p_t}
 
 
 def _bits(a):
@@ -177,13 +203,13 @@ def main():
                 row["tflops_torch"] = flop / row["torch_ms"] / 1e9
                 row["tflops_jax"] = flop / row["jax_ms"] / 1e9
                 row["bits_e"] = bool(np.array_equal(_bits(e_t), _bits(e_j)))
-                row["bits_parts"] = {k: bool(np.array_equal(_bits(p_t[k]) if k != "amax" else p_t[k].cpu().numpy(),
-                                                           _bits(p_j[k]) if k != "amax" else np.asarray(p_j[k])))
-                                     for k in p_t}
+                row["bits_parts"] = _same_parts(p_t, p_j)
             except Exception as exc:  # noqa: BLE001  (a variant that does not compile is reported)
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
+        rows.append(_mosaic_logits_row(x, w, y, xj, wj, yj, flop))
+        print(json.dumps(rows[-1]), flush=True)
         if not logits_only:
             rows += grad_rows(n, h, v)
         _save(out_dir, rows)

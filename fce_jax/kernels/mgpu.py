@@ -50,10 +50,11 @@ def stages(cfg, per_stage_bytes, fixed_bytes):
     return max(1, min(cfg.num_stages, (SHARED_BYTES - fixed_bytes) // per_stage_bytes))
 
 
-def kernel(body, *, out_type, programs, compute_threads):
+def kernel(body, *, out_type, programs, compute_threads, approx_math=False):
     """A Mosaic GPU kernel of `programs` blocks named "sm", each of `compute_threads` compute warpgroups and
-    one memory warpgroup named "wg". Operands that are `jax.Ref`s are updated in place."""
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    one memory warpgroup named "wg". Operands that are `jax.Ref`s are updated in place. `approx_math`: exp2
+    as `ex2.approx.ftz.f32` (fastmath.ex2's instruction), the other transcendentals approximate too."""
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx_math)
     interpret = False
     if interpret_mode():
         _check_pool()

@@ -1,0 +1,196 @@
+"""The fused engine's logits GEMM with its statistics epilogue (logit_tiles.py) on Pallas Mosaic GPU, for
+16-bit operands: TMA loads, a warp-specialized wgmma pipeline, persistent programs. Opt-in
+(`GemmConfig.mosaic`); the same bits as the Triton lowering's kernel and fce_torch's, by construction:
+
+- the products: K ascending in whole tile_k steps, as every tiling gives them (docs/NUMERICS.md);
+- the max, the argmax (a min over column indices) and the target logit (a max over one column) are exact in
+  any order;
+- each row sum is fce_torch's adjacent-pairs tree (`row_sum`): halves of the columns added recursively down to
+  blocks of 8, whose sum Mosaic GPU reduces as that tree does in its WGMMA layout (a thread's two adjacent
+  columns, then the lanes 1 and 2 apart: `tree_sum`). Its interpret mode, whose reductions are XLA's, adds
+  the 8 columns by slices instead.
+- e = 2^((z - m) log2 e) by `ex2.approx.ftz.f32` (`approx_math`), rounded to the input dtype once;
+- the product e (z - m_t) of the entropy's sum passes an optimization barrier before the tree adds it: Mosaic
+  GPU allows LLVM to contract a product and a sum into an FMA, where the Triton kernels round the product
+  (`fastmath.mul`).
+
+The maxima ignore NaN, as Triton's `tl.max` does (Mosaic GPU's propagates it): a tile row of NaN alone gives
+-inf where Triton gives NaN. Class weights and transforms of the logits (bias, softcap, temperature) stay on the Triton lowering
+(`supports`).
+"""
+import functools
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import mgpu
+from .fastmath import LOG2E
+from .launch import interpret_mode, typed
+
+F32 = jnp.float32
+I32_MAX = jnp.iinfo(jnp.int32).max
+COMPUTE_WGS = 2    # compute warpgroups of a block, each on tile_m / 2 rows of the tile
+LEAF = 8           # columns of a tree leaf: a thread's pair of columns and the 4 lanes holding the rest
+ROW0_MULTIPLE = 8  # the tile values' first row: whole tiles of the stores' shared-memory layout
+
+
+def tree_sum(v):
+    """The sum over the columns (a power of two, at least LEAF) of v [rows, W] by the adjacent-pairs tree.
+    On the GPU each leaf's reduction also adds its +0 start, which turns a leaf sum of -0 into +0: the same
+    total wherever another leaf is not -0, as in every row of a logits tile (its max column adds +0 or 1)."""
+    w = v.shape[1]
+    if w > LEAF:
+        return tree_sum(v[:, :w // 2]) + tree_sum(v[:, w // 2:])
+    if not interpret_mode():
+        return jnp.sum(v, axis=1)  # in WGMMA layout: (c0 + c1), lanes 1 apart, then 2 apart
+    while v.shape[1] > 1:
+        v = v[:, 0::2] + v[:, 1::2]
+    return v[:, 0]
+
+
+def supports(x, w, bias, class_weights, transform, cfg, *, into=None, out_rows=None, row0=0, row0_multiple=1):
+    """Whether this kernel computes these statistics: 16-bit operands, H a multiple of 8 and V of 64 (TMA's
+    rows of whole 16 bytes; the tile values' swizzled stores), at least one row, no bias, class weights or
+    softcap / temperature, tile_n at least LEAF columns and tile_m two 64-row blocks, one per compute
+    warpgroup. Where the tile values go into other rows of a larger array (`into`, `out_rows`): whole
+    64-row blocks (TMA stores a whole block, and a partial one would write rows past the chunk's) from a
+    first row `row0` that is a multiple of ROW0_MULTIPLE (the stores' tiles), as an int or, traced, by the
+    caller's word (`row0_multiple`)."""
+    block = cfg.tile_m // COMPUTE_WGS
+    aligned = (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
+    return (jnp.dtype(x.dtype).itemsize == 2 and x.dtype == w.dtype and x.shape[0] > 0 and x.shape[1] % 8 == 0
+            and w.shape[0] % 64 == 0 and bias is None and class_weights is None and transform.softcap is None
+            and not transform.has_temperature and cfg.tile_n >= LEAF and block == 64
+            and (into is None and out_rows is None and isinstance(row0, int) and row0 == 0
+                 or x.shape[0] % block == 0 and aligned))
+
+
+def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden, n_tiles, has_q, has_pz, store,
+            cfg, stages_):
+    """Output tiles of cfg.tile_m x cfg.tile_n, row blocks fastest (the programs that run together share a W
+    tile), on a persistent loop. Per tile a memory warpgroup's TMA loads feed two compute warpgroups' wgmma
+    (tile_m / 2 rows each), whose epilogue stores the tile values (`store`: rows from row0_gmem's of e) and
+    the [T, rows] partials by TMA."""
+    e_gmem, *parts_gmem = out_gmem if store else (None, *out_gmem)
+    bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
+    n_m = pl.cdiv(n_rows, cfg.tile_m)
+    dtype = x_gmem.dtype
+    specs = [plgpu.BlockSpec((cfg.tile_m, bk), lambda s: (0, s), transforms=mgpu.transforms(bk, dtype)),
+             plgpu.BlockSpec((bn, bk), lambda s: (0, s), transforms=mgpu.transforms(bk, dtype))]
+    steps = pl.cdiv(hidden, bk)
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
+            max_concurrent_steps=stages_, compute_context=context)
+
+    allocs = pipeline(None, None).get_allocations(x_gmem, w_gmem)
+    scratch = dict(
+        e_smem=plgpu.SMEM((COMPUTE_WGS, bm, bn) if store else (1,), dtype, transforms=mgpu.transforms(bn, dtype)
+                          if store else ()),
+        y_smem=plgpu.SMEM((COMPUTE_WGS, bm), jnp.int32),
+        p_smem=[plgpu.SMEM((COMPUTE_WGS, bm), p.dtype) for p in parts_gmem])
+
+    @functools.partial(pl.run_scoped, allocs=allocs, **scratch, y_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+                       collective_axes="wg")
+    def _scope(allocs, e_smem, y_smem, p_smem, y_bar):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((n_m * n_tiles,), collective_axes="sm")
+        def _item(info):
+            (item,) = info.index
+            t = lax.div(item, n_m)
+            r0, c0 = lax.rem(item, n_m) * cfg.tile_m, t * bn
+
+            def mma(_, x_smem, w_smem, acc):
+                plgpu.wgmma(acc, x_smem.at[pl.ds(wg * bm, bm)], plgpu.transpose_ref(w_smem, (1, 0)))
+                plgpu.wgmma_wait(0)
+                return acc
+
+            def context(run):
+                first = r0 + wg * bm
+                rows = pl.ds(first, bm)
+                # the previous tile's stores have read the epilogue's buffers
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_gmem_to_smem(y_gmem.at[rows], y_smem.at[wg], y_bar.at[wg])
+
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bn), F32))
+                def _acc(acc):
+                    run(acc)
+                    plgpu.barrier_wait(y_bar.at[wg])
+                    stats = _statistics(acc[...], y_smem.at[wg][...], c0, vocab, has_q, has_pz)
+                    e, stats = stats[0], stats[1:]
+                    if store:
+                        e_smem.at[wg][...] = e.astype(dtype)
+                    for s_, v in zip(p_smem, stats):
+                        s_.at[wg][...] = v
+                    plgpu.commit_smem()
+                    if store:
+                        @pl.when(first < n_rows)  # a block past the chunk's rows: other rows of e
+                        def _store():
+                            out = pl.multiple_of(row0_gmem[...] + first, ROW0_MULTIPLE)
+                            plgpu.copy_smem_to_gmem(e_smem.at[wg], e_gmem.at[pl.ds(out, bm), pl.ds(c0, bn)])
+                    for s_, p in zip(p_smem, parts_gmem):
+                        plgpu.copy_smem_to_gmem(s_.at[wg], p.at[t, rows])
+
+            pipeline(mma, context)(x_gmem.at[pl.ds(r0, cfg.tile_m)], w_gmem.at[pl.ds(c0, bn)],
+                                   allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _statistics(total, y, c0, vocab, has_q, has_pz):
+    """(e, m, s, amax, zy[, q][, pz]) of one warpgroup's rows of the tile, from the float32 products `total`."""
+    shape = total.shape
+    layout = None if interpret_mode() else plgpu.Layout.WGMMA
+    cols = c0 + (lax.broadcasted_iota(jnp.int32, shape, 1) if layout is None else
+                 plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout))
+    col_ok = cols < vocab
+    z = jnp.where(col_ok, total, -jnp.inf)
+    number = z == z
+    m_t = jnp.max(jnp.where(number, z, -jnp.inf), axis=1)
+    m_b = lax.broadcast_in_dim(m_t, shape, [0])
+    amax = jnp.min(jnp.where(z == m_b, cols, I32_MAX), axis=1)
+    zy = jnp.max(jnp.where((cols == lax.broadcast_in_dim(y, shape, [0])) & number, z, -jnp.inf), axis=1)
+    e = jnp.exp2((z - m_b) * LOG2E)
+    out = [e, m_t, tree_sum(e), amax, zy]
+    if has_q or has_pz:
+        d = jnp.where(col_ok, z - m_b, 0.0)
+        if has_q:
+            out.append(tree_sum(d))
+        if has_pz:
+            out.append(tree_sum(lax.optimization_barrier(e * d)))  # rounded, never an FMA with the tree's adds
+    return out
+
+
+def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, into=None, row0=0, out_rows=None):
+    """logit_tiles.py's `logit_tiles` on Mosaic GPU, where `supports` holds: (the tile values, rows [row0,
+    row0 + n) of `into` updated or of a new [out_rows or n, V] array, or None without `store`;
+    {m, s, amax, zy[, q][, pz]} of [n, T])."""
+    n, hidden = x.shape
+    vocab = w.shape[0]
+    n_tiles = pl.cdiv(vocab, cfg.tile_n)
+    names = ["m", "s", "amax", "zy"] + ["q"] * has_q + ["pz"] * has_pz
+    padded = pl.cdiv(n, cfg.tile_m) * cfg.tile_m  # whole row blocks: the partials' TMA stores stay inside
+    parts = [jax.ShapeDtypeStruct((n_tiles, padded), jnp.int32 if k == "amax" else F32) for k in names]
+    itemsize = jnp.dtype(x.dtype).itemsize
+    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4 * (len(names) + 1))  # tile values, partials, targets
+    per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
+    body = functools.partial(_kernel, n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles, has_q=has_q,
+                             has_pz=has_pz, store=store, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, fixed))
+    new = [] if not store or into is not None else [jax.ShapeDtypeStruct((out_rows or n, vocab), x.dtype)]
+    launch = mgpu.kernel(body, programs=mgpu.programs(pl.cdiv(n, cfg.tile_m) * n_tiles), compute_threads=COMPUTE_WGS,
+                         approx_math=not interpret_mode(),  # ex2.approx.ftz.f32 on the GPU; XLA's exp2 here
+                         out_type=tuple(typed(new + parts, (x, w))))
+    args = [x, w, y_safe, jnp.asarray(row0, jnp.int32)]
+    if store and into is not None:
+        (e_ref,) = mgpu.in_place([into])
+        out = launch(*args, e_ref)
+        e = e_ref[...]
+    else:
+        out = launch(*args)
+        e, out = (out[0], out[1:]) if store else (None, out)
+    return e, {k: p[:, :n].T for k, p in zip(names, out)}
