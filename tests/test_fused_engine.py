@@ -949,22 +949,27 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
     assert dx_slices(256, 4096, 128256, cfg) > 1 and dx_slices(1024, 4096, 128256, cfg) == 1
 
 
-def _mosaic_tile_inputs(n):
-    """Exact operands (x in quarters, w in 16ths: every logit exact in float32, every K order the same sums):
-    n rows, H = 48 (3 K steps of 16), V = 320 (a partial tile of 128 columns)."""
-    g = torch.Generator().manual_seed(17 + n)
-    x = (torch.randint(-8, 9, (n, 48), generator=g) / 4.0).to(torch.bfloat16)
-    w = (torch.randint(-16, 17, (320, 48), generator=g) / 16.0).to(torch.bfloat16)
-    y = torch.randint(0, 320, (n,), generator=g).to(torch.int32)
+def _mosaic_tile_inputs(n, v=320, scale=1.0, seed=17):
+    """Exact operands (x in quarters times `scale`, a power of two; w in 16ths: every logit exact in float32,
+    every K order the same sums): n rows, H = 48 (3 K steps of 16), V = v."""
+    g = torch.Generator().manual_seed(seed + n)
+    x = (torch.randint(-8, 9, (n, 48), generator=g) * (scale / 4.0)).to(torch.bfloat16)
+    w = (torch.randint(-16, 17, (v, 48), generator=g) / 16.0).to(torch.bfloat16)
+    y = torch.randint(0, v, (n,), generator=g).to(torch.int32)
     return x, w, y
 
 
-def test_jax_mosaic_logit_tiles(monkeypatch):
+MOSAIC_TILE_CASES = {  # rows, V (tiles of 128 columns), logit scale
+    "partial_blocks": (200, 320, 1.0), "one_row_one_partial_tile": (1, 64, 1.0), "huge_logits": (130, 192, 2.0 ** 10)}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_TILE_CASES))
+def test_jax_mosaic_logit_tiles(monkeypatch, name):
     """The JAX twin's logits GEMM on Mosaic GPU (GemmConfig.mosaic, in Mosaic GPU's interpret mode) against the
-    Triton lowering's kernel and fce_torch's at the same tile width (128), on 200 rows (a partial row block):
-    the tile maxima, first argmax, target logit and q = Σ (z - m_t) bit for bit (exact operands: every sum
-    exact), s, pz and the stored e within their float32 and bfloat16 rounding of float64; the same partials
-    without `store`; the cases it leaves to the Triton lowering (`supports`)."""
+    Triton lowering's kernel and fce_torch's at the same tile width (128), on partial row blocks and tiles, one
+    row, logits in the tens of thousands: the tile maxima, first argmax, target logit and q = Σ (z - m_t) bit
+    for bit (exact operands: every sum exact), s, pz and the stored e within their float32 and bfloat16 rounding
+    of float64; the same partials without `store`; the cases it leaves to the Triton lowering (`supports`)."""
     import jax.numpy as jnp
 
     from fce_core.config import GEMM_MOSAIC_INTERPRETER
@@ -972,7 +977,8 @@ def test_jax_mosaic_logit_tiles(monkeypatch):
     from fce_jax.kernels import logit_tiles_mgpu as jm
     from fce_torch.kernels import logit_tiles as tt
 
-    x, w, y = _mosaic_tile_inputs(200)
+    n, v, scale = MOSAIC_TILE_CASES[name]
+    x, w, y = _mosaic_tile_inputs(n, v, scale)
     xj, wj, yj = to_jax(x), to_jax(w), to_jax(y)
     mosaic, triton_cfg = (dataclasses.replace(c, tile_n=128) for c in (GEMM_MOSAIC_INTERPRETER, GEMM_INTERPRETER))
     spec, tr = StatsSpec(q=True, pz=True), Transform()
@@ -986,32 +992,56 @@ def test_jax_mosaic_logit_tiles(monkeypatch):
     _, parts_triton = jt.logit_tiles(xj, wj, None, yj, None, cfg=triton_cfg, **kw)
     _, parts_torch = tt.logit_tiles(x, w, None, y.long(), None, spec=spec, transform=tr, precision="ieee",
                                     cfg=triton_cfg)
+    n_tiles = -(-v // 128)
     assert calls == [True, False] and e_none is None and set(parts) == {"m", "s", "amax", "zy", "q", "pz"}
     for key in parts:
-        assert parts[key].shape == (200, 3) and np.array_equal(np.asarray(parts[key]), np.asarray(parts_none[key]))
+        assert parts[key].shape == (n, n_tiles)
+        assert np.array_equal(np.asarray(parts[key]), np.asarray(parts_none[key])), key
         if key not in ("s", "pz"):
             assert np.array_equal(as_float64(parts[key]), as_float64(parts_triton[key])), key
             assert np.array_equal(as_float64(parts[key]), as_float64(parts_torch[key])), key
-    z = torch.full((200, 384), -math.inf, dtype=F64)
-    z[:, :320] = x.double() @ w.double().T
-    m_t = z.view(200, 3, 128).max(dim=2).values
+    z = torch.full((n, n_tiles * 128), -math.inf, dtype=F64)
+    z[:, :v] = x.double() @ w.double().T
+    tiles = z.view(n, n_tiles, 128)
+    m_t = tiles.max(dim=2).values
     assert np.array_equal(as_float64(parts["m"]), m_t.numpy())
-    d = (z.view(200, 3, 128) - m_t[..., None]).nan_to_num(neginf=0.0)
-    e64 = torch.exp(z.view(200, 3, 128) - m_t[..., None])
+    assert np.array_equal(as_float64(parts["zy"]).max(axis=1), z.gather(1, y.long()[:, None])[:, 0].numpy())
+    d = (tiles - m_t[..., None]).nan_to_num(neginf=0.0)
+    e64 = torch.exp(tiles - m_t[..., None])
     s64, pz64 = e64.sum(dim=2), (e64 * d).sum(dim=2)
     _assert_within(torch.from_numpy(as_float64(parts["s"])), s64, 1e-5 * s64, "s")
-    _assert_within(torch.from_numpy(as_float64(parts["pz"])), pz64, 1e-5 * (e64 * d.abs()).sum(dim=2), "pz")
-    e64 = e64.view(200, 384)[:, :320]
+    _assert_within(torch.from_numpy(as_float64(parts["pz"])), pz64, 1e-5 * (e64 * d.abs()).sum(dim=2) + 1e-30,
+                   "pz")
+    e64 = e64.view(n, -1)[:, :v]
     _assert_within(torch.from_numpy(as_float64(e)), e64, 2 ** -8 * e64 + 1e-6, "e")
-    # the Triton lowering's cases: a bias, class weights, a softcap, a V that is not a multiple of 64, float32,
-    # into another array's rows from a partial block
-    f32 = jnp.zeros((320,), jnp.float32)
-    assert not jm.supports(xj, wj, f32, None, tr, mosaic) and not jm.supports(xj, wj, None, f32, tr, mosaic)
-    assert not jm.supports(xj, wj, None, None, Transform(softcap=30.0), mosaic)
-    assert not jm.supports(xj, wj[:312], None, None, tr, mosaic)
-    assert not jm.supports(xj.astype(jnp.float32), wj.astype(jnp.float32), None, None, tr, mosaic)
-    assert not jm.supports(xj, wj, None, None, tr, mosaic, out_rows=400)
-    assert jm.supports(xj[:192], wj, None, None, tr, mosaic, out_rows=400)
+
+
+def test_jax_mosaic_logit_tiles_leaves_to_the_triton_lowering():
+    """What the Mosaic GPU logits GEMM leaves to the Triton lowering (`supports`): a bias, class weights, a
+    softcap or a temperature, V not a multiple of 64, float32, a tile width below a leaf, and tile values into a
+    larger array from a partial 64-row block or from a first row not known to be a multiple of 8."""
+    import jax
+    import jax.numpy as jnp
+
+    from fce_core.config import GEMM_MOSAIC_INTERPRETER as mosaic
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+
+    x, w = jnp.ones((200, 48), jnp.bfloat16), jnp.ones((320, 48), jnp.bfloat16)
+    tr, f32 = Transform(), jnp.zeros((320,), jnp.float32)
+    assert jm.supports(x, w, None, None, tr, mosaic)
+    assert not jm.supports(x, w, f32, None, tr, mosaic) and not jm.supports(x, w, None, f32, tr, mosaic)
+    assert not jm.supports(x, w, None, None, Transform(softcap=30.0), mosaic)
+    assert not jm.supports(x, w, None, None, Transform(temperature=2.0), mosaic)
+    assert not jm.supports(x, w[:312], None, None, tr, mosaic)
+    assert not jm.supports(x.astype(jnp.float32), w.astype(jnp.float32), None, None, tr, mosaic)
+    assert not jm.supports(x, w, None, None, tr, dataclasses.replace(mosaic, tile_n=4))
+    assert not jm.supports(x, w, None, None, tr, mosaic, out_rows=400)
+    assert jm.supports(x[:192], w, None, None, tr, mosaic, out_rows=400, row0=8)
+    assert not jm.supports(x[:192], w, None, None, tr, mosaic, out_rows=400, row0=4)
+    traced = []
+    jax.jit(lambda r: traced.extend(jm.supports(x[:192], w, None, None, tr, mosaic, into=f32, row0=r,
+                                                row0_multiple=m) for m in (8, 4)))(0)
+    assert traced == [True, False]
 
 
 def test_jax_mosaic_logit_tiles_into_rows():
