@@ -72,8 +72,8 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden,
             cfg, stages_):
     """Output tiles of cfg.tile_m x cfg.tile_n, row blocks fastest (the programs that run together share a W
     tile), on a persistent loop. Per tile a memory warpgroup's TMA loads feed two compute warpgroups' wgmma
-    (tile_m / 2 rows each), whose epilogue stores the tile values (`store`: rows from row0_gmem's of e) and
-    the [T, rows] partials by TMA."""
+    (tile_m / 2 rows each), whose epilogue stores the tile values by TMA (`store`: rows from row0_gmem's of
+    e) and its column of the [rows, T] partials."""
     e_gmem, *parts_gmem = out_gmem if store else (None, *out_gmem)
     bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
     n_m = pl.cdiv(n_rows, cfg.tile_m)
@@ -91,12 +91,11 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden,
     scratch = dict(
         e_smem=plgpu.SMEM((COMPUTE_WGS, bm, bn) if store else (1,), dtype, transforms=mgpu.transforms(bn, dtype)
                           if store else ()),
-        y_smem=plgpu.SMEM((COMPUTE_WGS, bm), jnp.int32),
-        p_smem=[plgpu.SMEM((COMPUTE_WGS, bm), p.dtype) for p in parts_gmem])
+        y_smem=plgpu.SMEM((COMPUTE_WGS, bm), jnp.int32))
 
     @functools.partial(pl.run_scoped, allocs=allocs, **scratch, y_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
                        collective_axes="wg")
-    def _scope(allocs, e_smem, y_smem, p_smem, y_bar):
+    def _scope(allocs, e_smem, y_smem, y_bar):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((n_m * n_tiles,), collective_axes="sm")
@@ -125,16 +124,14 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden,
                     e, stats = stats[0], stats[1:]
                     if store:
                         e_smem.at[wg][...] = e.astype(dtype)
-                    for s_, v in zip(p_smem, stats):
-                        s_.at[wg][...] = v
-                    plgpu.commit_smem()
-                    if store:
+                        plgpu.commit_smem()
+
                         @pl.when(first < n_rows)  # a block past the chunk's rows: other rows of e
                         def _store():
                             out = pl.multiple_of(row0_gmem[...] + first, ROW0_MULTIPLE)
                             plgpu.copy_smem_to_gmem(e_smem.at[wg], e_gmem.at[pl.ds(out, bm), pl.ds(c0, bn)])
-                    for s_, p in zip(p_smem, parts_gmem):
-                        plgpu.copy_smem_to_gmem(s_.at[wg], p.at[t, rows])
+                    for p, v in zip(parts_gmem, stats):  # a column of [rows, T]: the rows' own stores
+                        p.at[rows, t][...] = v
 
             pipeline(mma, context)(x_gmem.at[pl.ds(r0, cfg.tile_m)], w_gmem.at[pl.ds(c0, bn)],
                                    allocations=allocs)
@@ -174,10 +171,10 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, into=None, ro
     vocab = w.shape[0]
     n_tiles = pl.cdiv(vocab, cfg.tile_n)
     names = ["m", "s", "amax", "zy"] + ["q"] * has_q + ["pz"] * has_pz
-    padded = pl.cdiv(n, cfg.tile_m) * cfg.tile_m  # whole row blocks: the partials' TMA stores stay inside
-    parts = [jax.ShapeDtypeStruct((n_tiles, padded), jnp.int32 if k == "amax" else F32) for k in names]
+    padded = pl.cdiv(n, cfg.tile_m) * cfg.tile_m  # whole row blocks: the partials' stores stay inside
+    parts = [jax.ShapeDtypeStruct((padded, n_tiles), jnp.int32 if k == "amax" else F32) for k in names]
     itemsize = jnp.dtype(x.dtype).itemsize
-    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4 * (len(names) + 1))  # tile values, partials, targets
+    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4)  # the tile values and targets in shared memory
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
     body = functools.partial(_kernel, n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles, has_q=has_q,
                              has_pz=has_pz, store=store, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, fixed))
@@ -193,4 +190,4 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, into=None, ro
     else:
         out = launch(*args)
         e, out = (out[0], out[1:]) if store else (None, out)
-    return e, {k: p[:, :n].T for k, p in zip(names, out)}
+    return e, {k: p if n == padded else p[:n] for k, p in zip(names, out)}
