@@ -1087,8 +1087,9 @@ def test_jax_mosaic_tree_sum_is_the_pairwise_tree():
 
 def test_jax_mosaic_logit_tiles_lower_for_the_gpu(monkeypatch):
     """The Mosaic GPU logits GEMM as the GPU builds it (GEMM_MOSAIC, 132 programs), lowered for CUDA on this
-    CPU at the bench's chunk shapes, with and without the tile values: Pallas' lowering and Mosaic GPU's layout
-    inference accept it. And the tree's leaf: Mosaic GPU reduces 8 columns of its WGMMA layout as the pairwise
+    CPU at the bench's chunk shapes, with and without the tile values, and into a kept dZ from a traced row, also
+    under shard_map(check_vma=True): Pallas' lowering and Mosaic GPU's layout inference accept it. And the tree's
+    leaf: Mosaic GPU reduces 8 columns of its WGMMA layout as the pairwise
     tree adds them: a thread's two adjacent columns, then the lanes 1 apart, then 2 apart (read from the lowered
     module: a shuffle order that another jax version may change, so the GPU's twin check has the last word)."""
     import re
@@ -1119,6 +1120,17 @@ def test_jax_mosaic_logit_tiles_lower_for_the_gpu(monkeypatch):
                                                                  cfg=GEMM_MOSAIC),
                            s((n, h), jnp.bfloat16), s((v, h), jnp.bfloat16), s((n,), jnp.int32))
             assert "mosaic_gpu" in text
+    # into the kept dZ from a traced row, also under shard_map(check_vma=True) as the vocab-parallel engine runs it
+    mesh, rep = jax.make_mesh((1,), ("model",)), jax.sharding.PartitionSpec()
+    args = (s((512, 640), jnp.bfloat16), s((1024, 640), jnp.bfloat16), s((512,), jnp.int32),
+            s((2048, 1024), jnp.bfloat16), s((), jnp.int32))
+
+    def into(x, w, y, kept, r0):
+        return jm.mosaic_logit_tiles(x, w, y, has_q=True, has_pz=False, store=True, cfg=GEMM_MOSAIC, into=kept, row0=r0)
+
+    assert "mosaic_gpu" in lowered(into, *args)
+    mapped = jax.shard_map(into, mesh=mesh, in_specs=(rep,) * 5, out_specs=rep, check_vma=True)
+    assert "mosaic_gpu" in lowered(mapped, *args)
 
     modules = []
     lower_dialect = pallas_lowering.mgpu.lower_mgpu_dialect
