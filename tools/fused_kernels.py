@@ -108,11 +108,12 @@ def grad_rows(n, h, v):
     return rows
 
 
-def _mosaic_logits_row(x, w, y, xj, wj, yj, flop):
-    """The JAX twin's logits GEMM on Mosaic GPU (GEMM_MOSAIC) against fce_torch's default (GEMM): both times, and
-    the bits of the tile values and partials."""
-    kw = dict(spec=StatsSpec(), transform=Transform())
-    row = dict(shape=tuple(x.shape) + (w.shape[0],), cfg=f"jax {_tag(GEMM_MOSAIC)} vs torch default")
+def _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec):
+    """The JAX twin's logits GEMM on Mosaic GPU (GEMM_MOSAIC) against fce_torch's default (GEMM) for the head's
+    partials `spec`: both times, and the bits of the tile values and partials."""
+    kw = dict(spec=spec, transform=Transform())
+    extra = "".join(f" +{k}" for k in ("q", "pz") if getattr(spec, k))
+    row = dict(shape=tuple(x.shape) + (w.shape[0],), cfg=f"jax {_tag(GEMM_MOSAIC)}{extra} vs torch default")
     try:
         run_t = lambda: tt.logit_tiles(x, w, None, y, None, precision="ieee", cfg=GEMM, **kw)  # noqa: E731
         fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, None, c, None, precision=None, cfg=GEMM_MOSAIC, **kw))
@@ -208,8 +209,9 @@ def main():
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-        rows.append(_mosaic_logits_row(x, w, y, xj, wj, yj, flop))
-        print(json.dumps(rows[-1]), flush=True)
+        for spec in (StatsSpec(), StatsSpec(q=True, pz=True)):  # the loss's partials, and smoothing's and entropy's
+            rows.append(_mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec))
+            print(json.dumps(rows[-1]), flush=True)
         if not logits_only:
             rows += grad_rows(n, h, v)
         _save(out_dir, rows)
