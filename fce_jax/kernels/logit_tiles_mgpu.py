@@ -8,7 +8,7 @@
 - each row sum is fce_torch's adjacent-pairs tree (`row_sum`): halves of the columns added recursively down to
   blocks of 8, whose sum Mosaic GPU reduces as that tree does in its WGMMA layout (a thread's two adjacent
   columns, then the lanes 1 and 2 apart: `tree_sum`). Its interpret mode, whose reductions are XLA's, adds
-  the 8 columns by slices instead.
+  the 8 columns by `pairwise_sum` instead.
 - e = 2^((z - m) log2 e) by `ex2.approx.ftz.f32` (`approx_math`), rounded to the input dtype once;
 - the product e (z - m_t) of the entropy's sum passes an optimization barrier before the tree adds it: Mosaic
   GPU allows LLVM to contract a product and a sum into an FMA, where the Triton kernels round the product
@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from . import mgpu
 from .fastmath import LOG2E
 from .launch import interpret_mode, typed
+from ..sums import pairwise_sum
 
 F32 = jnp.float32
 I32_MAX = jnp.iinfo(jnp.int32).max
@@ -46,9 +47,7 @@ def tree_sum(v):
         return tree_sum(v[:, :w // 2]) + tree_sum(v[:, w // 2:])
     if not interpret_mode():
         return jnp.sum(v, axis=1)  # in WGMMA layout: (c0 + c1), lanes 1 apart, then 2 apart
-    while v.shape[1] > 1:
-        v = v[:, 0::2] + v[:, 1::2]
-    return v[:, 0]
+    return pairwise_sum(v)
 
 
 def supports(x, w, bias, class_weights, transform, cfg, *, into=None, out_rows=None, row0=0, row0_multiple=1):
