@@ -486,8 +486,8 @@ def test_torch_dx_launch_takes_the_fewest_rounds(monkeypatch):
 def test_torch_launch_variants_same_bits(dtype, hidden):
     """fce_torch's GEMMs with and without TMA operand loads, the persistent launch (two programs per
     multiprocessor too) and other tiles (the logits GEMM's rows, dX/dW): the same bits for the logits GEMM's
-    tile values and partials, dX over several V slices, and dW written, accumulated in float32 and as the (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are not TMA-aligned:
-    pointer loads there."""
+    tile values and partials, dX over several V slices, and dW written, accumulated in float32 and as the
+    (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are not TMA-aligned: pointer loads there."""
     from fce_core.config import GRAD_GEMM_INTERPRETER
     from fce_core.plan import dx_slices
     from fce_torch.kernels import grad_gemms, logit_tiles
@@ -959,17 +959,20 @@ def _mosaic_tile_inputs(n, v=320, scale=1.0, seed=17):
     return x, w, y
 
 
-MOSAIC_TILE_CASES = {  # rows, V (tiles of 128 columns), logit scale
-    "partial_blocks": (200, 320, 1.0), "one_row_one_partial_tile": (1, 64, 1.0), "huge_logits": (130, 192, 2.0 ** 10)}
+MOSAIC_TILE_CASES = {  # rows, V (tiles of 128 columns), logit scale, bias dtype, temperature
+    "partial_blocks": (200, 320, 1.0, None, 1.0), "one_row_one_partial_tile": (1, 64, 1.0, None, 1.0),
+    "huge_logits": (130, 192, 2.0 ** 10, None, 1.0), "bias_temperature": (70, 320, 1.0, "bfloat16", 0.7),
+    "f32_bias": (64, 128, 1.0, "float32", 1.0)}
 
 
 @pytest.mark.parametrize("name", list(MOSAIC_TILE_CASES))
 def test_jax_mosaic_logit_tiles(monkeypatch, name):
     """The JAX twin's logits GEMM on Mosaic GPU (GemmConfig.mosaic, in Mosaic GPU's interpret mode) against the
     Triton lowering's kernel and fce_torch's at the same tile width (128), on partial row blocks and tiles, one
-    row, logits in the tens of thousands: the tile maxima, first argmax, target logit and q = Σ (z - m_t) bit
-    for bit (exact operands: every sum exact), s, pz and the stored e within their float32 and bfloat16 rounding
-    of float64; the same partials without `store`; the cases it leaves to the Triton lowering (`supports`)."""
+    row, logits in the tens of thousands, a bias (16 or 32 bits) and a temperature: the tile maxima, first
+    argmax, target logit and q = Σ (z - m_t) bit for bit (exact operands: every logit exact before the float32
+    division by the temperature, the same division in every kernel), s, pz and the stored e within their float32
+    and bfloat16 rounding of float64; the same partials without `store`."""
     import jax.numpy as jnp
 
     from fce_core.config import GEMM_MOSAIC_INTERPRETER
@@ -977,49 +980,61 @@ def test_jax_mosaic_logit_tiles(monkeypatch, name):
     from fce_jax.kernels import logit_tiles_mgpu as jm
     from fce_torch.kernels import logit_tiles as tt
 
-    n, v, scale = MOSAIC_TILE_CASES[name]
+    n, v, scale, bias_dtype, temperature = MOSAIC_TILE_CASES[name]
     x, w, y = _mosaic_tile_inputs(n, v, scale)
-    xj, wj, yj = to_jax(x), to_jax(w), to_jax(y)
+    bias = None if bias_dtype is None else (torch.arange(v) % 17 / 8.0 - 1.0).to(getattr(torch, bias_dtype))
+    xj, wj, yj, bj = to_jax(x), to_jax(w), to_jax(y), None if bias is None else to_jax(bias)
     mosaic, triton_cfg = (dataclasses.replace(c, tile_n=128) for c in (GEMM_MOSAIC_INTERPRETER, GEMM_INTERPRETER))
-    spec, tr = StatsSpec(q=True, pz=True), Transform()
-    assert jm.supports(xj, wj, None, None, tr, mosaic)
+    spec, tr = StatsSpec(q=True, pz=True), Transform(temperature=temperature)
+    assert jm.supports(xj, wj, bj, None, tr, mosaic)
     calls = []
     monkeypatch.setattr(jt, "mosaic_logit_tiles", lambda *a, **kw: calls.append(kw["store"]) or
                         jm.mosaic_logit_tiles(*a, **kw))
     kw = dict(spec=spec, transform=tr, precision=None)
-    e, parts = jt.logit_tiles(xj, wj, None, yj, None, cfg=mosaic, **kw)
-    e_none, parts_none = jt.logit_tiles(xj, wj, None, yj, None, cfg=mosaic, store=False, **kw)
-    _, parts_triton = jt.logit_tiles(xj, wj, None, yj, None, cfg=triton_cfg, **kw)
-    _, parts_torch = tt.logit_tiles(x, w, None, y.long(), None, spec=spec, transform=tr, precision="ieee",
+    e, parts = jt.logit_tiles(xj, wj, bj, yj, None, cfg=mosaic, **kw)
+    e_none, parts_none = jt.logit_tiles(xj, wj, bj, yj, None, cfg=mosaic, store=False, **kw)
+    _, parts_triton = jt.logit_tiles(xj, wj, bj, yj, None, cfg=triton_cfg, **kw)
+    _, parts_torch = tt.logit_tiles(x, w, bias, y.long(), None, spec=spec, transform=tr, precision="ieee",
                                     cfg=triton_cfg)
     n_tiles = -(-v // 128)
     assert calls == [True, False] and e_none is None and set(parts) == {"m", "s", "amax", "zy", "q", "pz"}
     for key in parts:
         assert parts[key].shape == (n, n_tiles)
         assert np.array_equal(np.asarray(parts[key]), np.asarray(parts_none[key])), key
-        if key not in ("s", "pz"):
+        # exact everywhere but past a temperature, where the interpreters' float32 division differs (XLA takes
+        # x times 1 / T, and may contract it into the next subtraction): there the maxima alone
+        if key in ("m", "amax", "zy") or key == "q" and temperature == 1.0:
             assert np.array_equal(as_float64(parts[key]), as_float64(parts_triton[key])), key
-            assert np.array_equal(as_float64(parts[key]), as_float64(parts_torch[key])), key
+            if temperature == 1.0:
+                assert np.array_equal(as_float64(parts[key]), as_float64(parts_torch[key])), key
     z = torch.full((n, n_tiles * 128), -math.inf, dtype=F64)
-    z[:, :v] = x.double() @ w.double().T
+    r = x.double() @ w.double().T + (0.0 if bias is None else bias.double())  # exact
+    z[:, :v] = r / temperature
     tiles = z.view(n, n_tiles, 128)
     m_t = tiles.max(dim=2).values
-    assert np.array_equal(as_float64(parts["m"]), m_t.numpy())
-    assert np.array_equal(as_float64(parts["zy"]).max(axis=1), z.gather(1, y.long()[:, None])[:, 0].numpy())
+    z_err = 2 ** -23 * z.abs().nan_to_num(posinf=0.0, neginf=0.0) * (temperature != 1.0)  # the division's rounding
+    _assert_within(torch.from_numpy(as_float64(parts["m"])), m_t, z_err.view(n, n_tiles, 128).amax(dim=2), "m")
+    _assert_within(torch.from_numpy(as_float64(parts["zy"]).max(axis=1)), z.gather(1, y.long()[:, None])[:, 0],
+                   z_err.amax(dim=1), "zy")
     d = (tiles - m_t[..., None]).nan_to_num(neginf=0.0)
+    _assert_within(torch.from_numpy(as_float64(parts["q"])), d.sum(dim=2),
+                   1e-5 * d.abs().sum(dim=2) + 256 * z_err.view(n, n_tiles, 128).amax(dim=2), "q")
     e64 = torch.exp(tiles - m_t[..., None])
     s64, pz64 = e64.sum(dim=2), (e64 * d).sum(dim=2)
-    _assert_within(torch.from_numpy(as_float64(parts["s"])), s64, 1e-5 * s64, "s")
-    _assert_within(torch.from_numpy(as_float64(parts["pz"])), pz64, 1e-5 * (e64 * d.abs()).sum(dim=2) + 1e-30,
-                   "pz")
+    shift_err = 2 * z_err.view(n, n_tiles, 128).amax(dim=2, keepdim=True)  # of z - m_t
+    _assert_within(torch.from_numpy(as_float64(parts["s"])), s64, 1e-5 * s64 + (e64 * shift_err).sum(dim=2), "s")
+    _assert_within(torch.from_numpy(as_float64(parts["pz"])), pz64, 1e-5 * (e64 * d.abs()).sum(dim=2) + 1e-30
+                   + (e64 * (1 + d.abs()) * shift_err).sum(dim=2), "pz")
+    e_rtol = (2 ** -8 + shift_err).expand(n, n_tiles, 128).reshape(n, -1)[:, :v]
     e64 = e64.view(n, -1)[:, :v]
-    _assert_within(torch.from_numpy(as_float64(e)), e64, 2 ** -8 * e64 + 1e-6, "e")
+    _assert_within(torch.from_numpy(as_float64(e)), e64, e_rtol * e64 + 1e-6, "e")
 
 
 def test_jax_mosaic_logit_tiles_leaves_to_the_triton_lowering():
-    """What the Mosaic GPU logits GEMM leaves to the Triton lowering (`supports`): a bias, class weights, a
-    softcap or a temperature, V not a multiple of 64, float32, a tile width below a leaf, and tile values into a
-    larger array from a partial 64-row block or from a first row not known to be a multiple of 8."""
+    """What the Mosaic GPU logits GEMM leaves to the Triton lowering (`supports`): class weights, a softcap,
+    V not a multiple of 64, float32, a tile width below a leaf, and tile values into a larger array from a
+    partial 64-row block or from a first row not known to be a multiple of 8. A bias and a temperature it
+    takes."""
     import jax
     import jax.numpy as jnp
 
@@ -1028,10 +1043,10 @@ def test_jax_mosaic_logit_tiles_leaves_to_the_triton_lowering():
 
     x, w = jnp.ones((200, 48), jnp.bfloat16), jnp.ones((320, 48), jnp.bfloat16)
     tr, f32 = Transform(), jnp.zeros((320,), jnp.float32)
-    assert jm.supports(x, w, None, None, tr, mosaic)
-    assert not jm.supports(x, w, f32, None, tr, mosaic) and not jm.supports(x, w, None, f32, tr, mosaic)
+    assert jm.supports(x, w, None, None, tr, mosaic) and jm.supports(x, w, f32, None, Transform(temperature=2.0),
+                                                                     mosaic)
+    assert not jm.supports(x, w, None, f32, tr, mosaic)
     assert not jm.supports(x, w, None, None, Transform(softcap=30.0), mosaic)
-    assert not jm.supports(x, w, None, None, Transform(temperature=2.0), mosaic)
     assert not jm.supports(x, w[:312], None, None, tr, mosaic)
     assert not jm.supports(x.astype(jnp.float32), w.astype(jnp.float32), None, None, tr, mosaic)
     assert not jm.supports(x, w, None, None, tr, dataclasses.replace(mosaic, tile_n=4))

@@ -108,15 +108,17 @@ def grad_rows(n, h, v):
     return rows
 
 
-def _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec):
+def _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, temperature=1.0, bias=None):
     """The JAX twin's logits GEMM on Mosaic GPU (GEMM_MOSAIC) against fce_torch's default (GEMM) for the head's
-    partials `spec`: both times, and the bits of the tile values and partials."""
-    kw = dict(spec=spec, transform=Transform())
-    extra = "".join(f" +{k}" for k in ("q", "pz") if getattr(spec, k))
+    partials `spec`, a temperature and a bias: both times, and the bits of the tile values and partials."""
+    kw = dict(spec=spec, transform=Transform(temperature=temperature))
+    extra = "".join(f" +{k}" for k in ("q", "pz") if getattr(spec, k)) + f" T={temperature}" * (temperature != 1.0)
+    extra += " +bias" * (bias is not None)
     row = dict(shape=tuple(x.shape) + (w.shape[0],), cfg=f"jax {_tag(GEMM_MOSAIC)}{extra} vs torch default")
+    bj = None if bias is None else jax.dlpack.from_dlpack(bias)
     try:
-        run_t = lambda: tt.logit_tiles(x, w, None, y, None, precision="ieee", cfg=GEMM, **kw)  # noqa: E731
-        fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, None, c, None, precision=None, cfg=GEMM_MOSAIC, **kw))
+        run_t = lambda: tt.logit_tiles(x, w, bias, y, None, precision="ieee", cfg=GEMM, **kw)  # noqa: E731
+        fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, bj, c, None, precision=None, cfg=GEMM_MOSAIC, **kw))
         row["torch_ms"] = best_ms(run_t)
         row["jax_ms"] = best_ms(lambda: jax.block_until_ready(fj(xj, wj, yj)))
         (e_t, p_t), (e_j, p_j) = run_t(), fj(xj, wj, yj)
@@ -209,8 +211,11 @@ def main():
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-        for spec in (StatsSpec(), StatsSpec(q=True, pz=True)):  # the loss's partials, and smoothing's and entropy's
-            rows.append(_mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec))
+        bias = torch.randn(v, device="cuda", generator=g).to(torch.bfloat16)
+        # the loss's partials; smoothing's and entropy's; those past a bias and a temperature (RL's log-probs)
+        for spec, extra in ((StatsSpec(), {}), (StatsSpec(q=True, pz=True), {}),
+                            (StatsSpec(q=True, pz=True), dict(temperature=0.7, bias=bias))):
+            rows.append(_mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, **extra))
             print(json.dumps(rows[-1]), flush=True)
         if not logits_only:
             rows += grad_rows(n, h, v)

@@ -14,9 +14,9 @@
   GPU allows LLVM to contract a product and a sum into an FMA, where the Triton kernels round the product
   (`fastmath.mul`).
 
-The maxima ignore NaN, as Triton's `tl.max` does (Mosaic GPU's propagates it): a tile row of NaN alone gives
--inf where Triton gives NaN. Class weights and transforms of the logits (bias, softcap, temperature) stay on the Triton lowering
-(`supports`).
+The bias is added in float32 and the temperature divides (`z / T`, an IEEE division, as `fastmath.div`). The
+maxima ignore NaN, as Triton's `tl.max` does (Mosaic GPU's propagates it): a tile row of NaN alone gives -inf
+where Triton gives NaN. Class weights and a softcap stay on the Triton lowering (`supports`).
 """
 import functools
 
@@ -52,8 +52,8 @@ def tree_sum(v):
 
 def supports(x, w, bias, class_weights, transform, cfg, *, into=None, out_rows=None, row0=0, row0_multiple=1):
     """Whether this kernel computes these statistics: 16-bit operands, H a multiple of 8 and V of 64 (TMA's
-    rows of whole 16 bytes; the tile values' swizzled stores), at least one row, no bias, class weights or
-    softcap / temperature, tile_n at least LEAF columns and tile_m two 64-row blocks, one per compute
+    rows of whole 16 bytes; the tile values' swizzled stores), at least one row, no class weights or softcap, a
+    bias of 16 or 32 bits, tile_n at least LEAF columns and tile_m two 64-row blocks, one per compute
     warpgroup. Where the tile values go into other rows of a larger array (`into`, `out_rows`): whole
     64-row blocks (TMA stores a whole block, and a partial one would write rows past the chunk's) from a
     first row `row0` that is a multiple of ROW0_MULTIPLE (the stores' tiles), as an int or, traced, by the
@@ -61,18 +61,19 @@ def supports(x, w, bias, class_weights, transform, cfg, *, into=None, out_rows=N
     block = cfg.tile_m // COMPUTE_WGS
     aligned = (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
     return (jnp.dtype(x.dtype).itemsize == 2 and x.dtype == w.dtype and x.shape[0] > 0 and x.shape[1] % 8 == 0
-            and w.shape[0] % 64 == 0 and bias is None and class_weights is None and transform.softcap is None
-            and not transform.has_temperature and cfg.tile_n >= LEAF and block == 64
+            and w.shape[0] % 64 == 0 and (bias is None or jnp.dtype(bias.dtype).itemsize in (2, 4))
+            and class_weights is None and transform.softcap is None and cfg.tile_n >= LEAF and block == 64
             and (into is None and out_rows is None and isinstance(row0, int) and row0 == 0
                  or x.shape[0] % block == 0 and aligned))
 
 
-def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden, n_tiles, has_q, has_pz, store,
-            cfg, stages_):
+def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_tiles, has_bias, temperature,
+            has_q, has_pz, store, cfg, stages_):
     """Output tiles of cfg.tile_m x cfg.tile_n, row blocks fastest (the programs that run together share a W
     tile), on a persistent loop. Per tile a memory warpgroup's TMA loads feed two compute warpgroups' wgmma
     (tile_m / 2 rows each), whose epilogue stores the tile values by TMA (`store`: rows from row0_gmem's of
     e) and its column of the [rows, T] partials."""
+    bias_gmem, out_gmem = (refs[0], refs[1:]) if has_bias else (None, refs)
     e_gmem, *parts_gmem = out_gmem if store else (None, *out_gmem)
     bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
     n_m = pl.cdiv(n_rows, cfg.tile_m)
@@ -90,11 +91,12 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden,
     scratch = dict(
         e_smem=plgpu.SMEM((COMPUTE_WGS, bm, bn) if store else (1,), dtype, transforms=mgpu.transforms(bn, dtype)
                           if store else ()),
-        y_smem=plgpu.SMEM((COMPUTE_WGS, bm), jnp.int32))
+        y_smem=plgpu.SMEM((COMPUTE_WGS, bm), jnp.int32),
+        b_smem=plgpu.SMEM((COMPUTE_WGS, bn if has_bias else 1), bias_gmem.dtype if has_bias else F32),
+        bars=plgpu.Barrier(num_barriers=COMPUTE_WGS * (1 + has_bias)))
 
-    @functools.partial(pl.run_scoped, allocs=allocs, **scratch, y_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
-                       collective_axes="wg")
-    def _scope(allocs, e_smem, y_smem, y_bar):
+    @functools.partial(pl.run_scoped, allocs=allocs, **scratch, collective_axes="wg")
+    def _scope(allocs, e_smem, y_smem, b_smem, bars):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((n_m * n_tiles,), collective_axes="sm")
@@ -113,13 +115,21 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden,
                 rows = pl.ds(first, bm)
                 # the previous tile's stores have read the epilogue's buffers
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.copy_gmem_to_smem(y_gmem.at[rows], y_smem.at[wg], y_bar.at[wg])
+                plgpu.copy_gmem_to_smem(y_gmem.at[rows], y_smem.at[wg], bars.at[wg])
+                if has_bias:
+                    plgpu.copy_gmem_to_smem(bias_gmem.at[pl.ds(c0, bn)], b_smem.at[wg], bars.at[COMPUTE_WGS + wg])
 
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bn), F32))
                 def _acc(acc):
                     run(acc)
-                    plgpu.barrier_wait(y_bar.at[wg])
-                    stats = _statistics(acc[...], y_smem.at[wg][...], c0, vocab, has_q, has_pz)
+                    total = acc[...]
+                    if has_bias:
+                        plgpu.barrier_wait(bars.at[COMPUTE_WGS + wg])
+                        total = total + lax.broadcast_in_dim(b_smem.at[wg][...].astype(F32), total.shape, [1])
+                    if temperature != 1.0:
+                        total = total / temperature
+                    plgpu.barrier_wait(bars.at[wg])
+                    stats = _statistics(total, y_smem.at[wg][...], c0, vocab, has_q, has_pz)
                     e, stats = stats[0], stats[1:]
                     if store:
                         e_smem.at[wg][...] = e.astype(dtype)
@@ -139,7 +149,7 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden,
 
 
 def _statistics(total, y, c0, vocab, has_q, has_pz):
-    """(e, m, s, amax, zy[, q][, pz]) of one warpgroup's rows of the tile, from the float32 products `total`."""
+    """(e, m, s, amax, zy[, q][, pz]) of one warpgroup's rows of the tile, from its float32 logits `total`."""
     shape = total.shape
     layout = None if interpret_mode() else plgpu.Layout.WGMMA
     cols = c0 + (lax.broadcasted_iota(jnp.int32, shape, 1) if layout is None else
@@ -162,10 +172,11 @@ def _statistics(total, y, c0, vocab, has_q, has_pz):
     return out
 
 
-def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, into=None, row0=0, out_rows=None):
-    """logit_tiles.py's `logit_tiles` on Mosaic GPU, where `supports` holds: (the tile values, rows [row0,
-    row0 + n) of `into` updated or of a new [out_rows or n, V] array, or None without `store`;
-    {m, s, amax, zy[, q][, pz]} of [n, T])."""
+def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, temperature=1.0, into=None, row0=0,
+                       out_rows=None):
+    """logit_tiles.py's `logit_tiles` on Mosaic GPU, where `supports` holds (`bias` [V] or None, the
+    transform's `temperature`): (the tile values, rows [row0, row0 + n) of `into` updated or of a new
+    [out_rows or n, V] array, or None without `store`; {m, s, amax, zy[, q][, pz]} of [n, T])."""
     n, hidden = x.shape
     vocab = w.shape[0]
     n_tiles = pl.cdiv(vocab, cfg.tile_n)
@@ -173,15 +184,16 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, into=None, ro
     padded = pl.cdiv(n, cfg.tile_m) * cfg.tile_m  # whole row blocks: the partials' stores stay inside
     parts = [jax.ShapeDtypeStruct((padded, n_tiles), jnp.int32 if k == "amax" else F32) for k in names]
     itemsize = jnp.dtype(x.dtype).itemsize
-    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4)  # the tile values and targets in shared memory
+    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4) + 2 * cfg.tile_n * 4  # tile values, targets, bias
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
-    body = functools.partial(_kernel, n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles, has_q=has_q,
-                             has_pz=has_pz, store=store, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, fixed))
+    body = functools.partial(_kernel, n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles,
+                             has_bias=bias is not None, temperature=float(temperature), has_q=has_q, has_pz=has_pz,
+                             store=store, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, fixed))
     new = [] if not store or into is not None else [jax.ShapeDtypeStruct((out_rows or n, vocab), x.dtype)]
     launch = mgpu.kernel(body, programs=mgpu.programs(pl.cdiv(n, cfg.tile_m) * n_tiles), compute_threads=COMPUTE_WGS,
                          approx_math=not interpret_mode(),  # ex2.approx.ftz.f32 on the GPU; XLA's exp2 here
                          out_type=tuple(typed(new + parts, (x, w))))
-    args = [x, w, y_safe, jnp.asarray(row0, jnp.int32)]
+    args = [x, w, y_safe, jnp.asarray(row0, jnp.int32)] + ([] if bias is None else [bias])
     if store and into is not None:
         (e_ref,) = mgpu.in_place([into])
         out = launch(*args, e_ref)
