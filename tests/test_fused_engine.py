@@ -959,20 +959,20 @@ def _mosaic_tile_inputs(n, v=320, scale=1.0, seed=17):
     return x, w, y
 
 
-MOSAIC_TILE_CASES = {  # rows, V (tiles of 128 columns), logit scale, bias dtype, temperature
-    "partial_blocks": (200, 320, 1.0, None, 1.0), "one_row_one_partial_tile": (1, 64, 1.0, None, 1.0),
-    "huge_logits": (130, 192, 2.0 ** 10, None, 1.0), "bias_temperature": (70, 320, 1.0, "bfloat16", 0.7),
-    "f32_bias": (64, 128, 1.0, "float32", 1.0)}
+MOSAIC_TILE_CASES = {  # rows, V (tiles of 128 columns), logit scale, bias dtype, temperature, class weights
+    "partial_blocks": (200, 320, 1.0, None, 1.0, False), "one_row_one_partial_tile": (1, 64, 1.0, None, 1.0, False),
+    "huge_logits": (130, 192, 2.0 ** 10, None, 1.0, False), "bias_temperature": (70, 320, 1.0, "bfloat16", 0.7, False),
+    "f32_bias_class_weights": (64, 192, 1.0, "float32", 1.0, True)}
 
 
 @pytest.mark.parametrize("name", list(MOSAIC_TILE_CASES))
 def test_jax_mosaic_logit_tiles(monkeypatch, name):
     """The JAX twin's logits GEMM on Mosaic GPU (GemmConfig.mosaic, in Mosaic GPU's interpret mode) against the
     Triton lowering's kernel and fce_torch's at the same tile width (128), on partial row blocks and tiles, one
-    row, logits in the tens of thousands, a bias (16 or 32 bits) and a temperature: the tile maxima, first
-    argmax, target logit and q = Σ (z - m_t) bit for bit (exact operands: every logit exact before the float32
-    division by the temperature, the same division in every kernel), s, pz and the stored e within their float32
-    and bfloat16 rounding of float64; the same partials without `store`."""
+    row, logits in the tens of thousands, a bias (16 or 32 bits), a temperature and class weights: the tile
+    maxima, first argmax, target logit and q = Σ w_c (z - m_t) bit for bit (exact operands: every sum exact;
+    past a temperature the maxima alone), s, pz and the stored e within their float32 and bfloat16 rounding of
+    float64; the same partials without `store`."""
     import jax.numpy as jnp
 
     from fce_core.config import GEMM_MOSAIC_INTERPRETER
@@ -980,21 +980,23 @@ def test_jax_mosaic_logit_tiles(monkeypatch, name):
     from fce_jax.kernels import logit_tiles_mgpu as jm
     from fce_torch.kernels import logit_tiles as tt
 
-    n, v, scale, bias_dtype, temperature = MOSAIC_TILE_CASES[name]
+    n, v, scale, bias_dtype, temperature, has_cw = MOSAIC_TILE_CASES[name]
     x, w, y = _mosaic_tile_inputs(n, v, scale)
     bias = None if bias_dtype is None else (torch.arange(v) % 17 / 8.0 - 1.0).to(getattr(torch, bias_dtype))
-    xj, wj, yj, bj = to_jax(x), to_jax(w), to_jax(y), None if bias is None else to_jax(bias)
+    cw = (torch.arange(v) % 5 / 4.0) if has_cw else None  # exact products with the exact logits
+    xj, wj, yj = to_jax(x), to_jax(w), to_jax(y)
+    bj, cj = (None if a is None else to_jax(a) for a in (bias, cw))
     mosaic, triton_cfg = (dataclasses.replace(c, tile_n=128) for c in (GEMM_MOSAIC_INTERPRETER, GEMM_INTERPRETER))
     spec, tr = StatsSpec(q=True, pz=True), Transform(temperature=temperature)
-    assert jm.supports(xj, wj, bj, None, tr, mosaic)
+    assert jm.supports(xj, wj, bj, cj, tr, mosaic)
     calls = []
     monkeypatch.setattr(jt, "mosaic_logit_tiles", lambda *a, **kw: calls.append(kw["store"]) or
                         jm.mosaic_logit_tiles(*a, **kw))
     kw = dict(spec=spec, transform=tr, precision=None)
-    e, parts = jt.logit_tiles(xj, wj, bj, yj, None, cfg=mosaic, **kw)
-    e_none, parts_none = jt.logit_tiles(xj, wj, bj, yj, None, cfg=mosaic, store=False, **kw)
-    _, parts_triton = jt.logit_tiles(xj, wj, bj, yj, None, cfg=triton_cfg, **kw)
-    _, parts_torch = tt.logit_tiles(x, w, bias, y.long(), None, spec=spec, transform=tr, precision="ieee",
+    e, parts = jt.logit_tiles(xj, wj, bj, yj, cj, cfg=mosaic, **kw)
+    e_none, parts_none = jt.logit_tiles(xj, wj, bj, yj, cj, cfg=mosaic, store=False, **kw)
+    _, parts_triton = jt.logit_tiles(xj, wj, bj, yj, cj, cfg=triton_cfg, **kw)
+    _, parts_torch = tt.logit_tiles(x, w, bias, y.long(), cw, spec=spec, transform=tr, precision="ieee",
                                     cfg=triton_cfg)
     n_tiles = -(-v // 128)
     assert calls == [True, False] and e_none is None and set(parts) == {"m", "s", "amax", "zy", "q", "pz"}
@@ -1017,8 +1019,11 @@ def test_jax_mosaic_logit_tiles(monkeypatch, name):
     _assert_within(torch.from_numpy(as_float64(parts["zy"]).max(axis=1)), z.gather(1, y.long()[:, None])[:, 0],
                    z_err.amax(dim=1), "zy")
     d = (tiles - m_t[..., None]).nan_to_num(neginf=0.0)
-    _assert_within(torch.from_numpy(as_float64(parts["q"])), d.sum(dim=2),
-                   1e-5 * d.abs().sum(dim=2) + 256 * z_err.view(n, n_tiles, 128).amax(dim=2), "q")
+    w_c = torch.ones(n_tiles * 128, dtype=F64) if cw is None else torch.cat([cw.double(), cw.new_zeros(
+        n_tiles * 128 - v, dtype=F64)])
+    d_w = d * w_c.view(n_tiles, 128)
+    _assert_within(torch.from_numpy(as_float64(parts["q"])), d_w.sum(dim=2),
+                   1e-5 * d_w.abs().sum(dim=2) + 256 * z_err.view(n, n_tiles, 128).amax(dim=2), "q")
     e64 = torch.exp(tiles - m_t[..., None])
     s64, pz64 = e64.sum(dim=2), (e64 * d).sum(dim=2)
     shift_err = 2 * z_err.view(n, n_tiles, 128).amax(dim=2, keepdim=True)  # of z - m_t
@@ -1031,10 +1036,10 @@ def test_jax_mosaic_logit_tiles(monkeypatch, name):
 
 
 def test_jax_mosaic_logit_tiles_leaves_to_the_triton_lowering():
-    """What the Mosaic GPU logits GEMM leaves to the Triton lowering (`supports`): class weights, a softcap,
-    V not a multiple of 64, float32, a tile width below a leaf, and tile values into a larger array from a
-    partial 64-row block or from a first row not known to be a multiple of 8. A bias and a temperature it
-    takes."""
+    """What the Mosaic GPU logits GEMM leaves to the Triton lowering (`supports`): a softcap, class weights not
+    in float32, V not a multiple of 64, float32 operands, a tile width below a leaf, and tile values into a larger
+    array from a partial 64-row block or from a first row not known to be a multiple of 8. A bias, class weights
+    and a temperature it takes."""
     import jax
     import jax.numpy as jnp
 
@@ -1043,9 +1048,9 @@ def test_jax_mosaic_logit_tiles_leaves_to_the_triton_lowering():
 
     x, w = jnp.ones((200, 48), jnp.bfloat16), jnp.ones((320, 48), jnp.bfloat16)
     tr, f32 = Transform(), jnp.zeros((320,), jnp.float32)
-    assert jm.supports(x, w, None, None, tr, mosaic) and jm.supports(x, w, f32, None, Transform(temperature=2.0),
+    assert jm.supports(x, w, None, None, tr, mosaic) and jm.supports(x, w, f32, f32, Transform(temperature=2.0),
                                                                      mosaic)
-    assert not jm.supports(x, w, None, f32, tr, mosaic)
+    assert not jm.supports(x, w, None, f32.astype(jnp.bfloat16), tr, mosaic)
     assert not jm.supports(x, w, None, None, Transform(softcap=30.0), mosaic)
     assert not jm.supports(x, w[:312], None, None, tr, mosaic)
     assert not jm.supports(x.astype(jnp.float32), w.astype(jnp.float32), None, None, tr, mosaic)

@@ -108,17 +108,18 @@ def grad_rows(n, h, v):
     return rows
 
 
-def _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, temperature=1.0, bias=None):
+def _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, temperature=1.0, bias=None, cw=None):
     """The JAX twin's logits GEMM on Mosaic GPU (GEMM_MOSAIC) against fce_torch's default (GEMM) for the head's
-    partials `spec`, a temperature and a bias: both times, and the bits of the tile values and partials."""
+    partials `spec`, a temperature, a bias and class weights `cw`: both times, and the bits of the tile values
+    and partials."""
     kw = dict(spec=spec, transform=Transform(temperature=temperature))
     extra = "".join(f" +{k}" for k in ("q", "pz") if getattr(spec, k)) + f" T={temperature}" * (temperature != 1.0)
-    extra += " +bias" * (bias is not None)
+    extra += " +bias" * (bias is not None) + " +class weights" * (cw is not None)
     row = dict(shape=tuple(x.shape) + (w.shape[0],), cfg=f"jax {_tag(GEMM_MOSAIC)}{extra} vs torch default")
-    bj = None if bias is None else jax.dlpack.from_dlpack(bias)
+    bj, cj = (None if a is None else jax.dlpack.from_dlpack(a) for a in (bias, cw))
     try:
-        run_t = lambda: tt.logit_tiles(x, w, bias, y, None, precision="ieee", cfg=GEMM, **kw)  # noqa: E731
-        fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, bj, c, None, precision=None, cfg=GEMM_MOSAIC, **kw))
+        run_t = lambda: tt.logit_tiles(x, w, bias, y, cw, precision="ieee", cfg=GEMM, **kw)  # noqa: E731
+        fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, bj, c, cj, precision=None, cfg=GEMM_MOSAIC, **kw))
         row["torch_ms"] = best_ms(run_t)
         row["jax_ms"] = best_ms(lambda: jax.block_until_ready(fj(xj, wj, yj)))
         (e_t, p_t), (e_j, p_j) = run_t(), fj(xj, wj, yj)
@@ -212,9 +213,12 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
         bias = torch.randn(v, device="cuda", generator=g).to(torch.bfloat16)
-        # the loss's partials; smoothing's and entropy's; those past a bias and a temperature (RL's log-probs)
+        cw = torch.rand(v, device="cuda", generator=g)
+        # the loss's partials; smoothing's and entropy's; those past a bias and a temperature (RL's log-probs),
+        # and with class weights
         for spec, extra in ((StatsSpec(), {}), (StatsSpec(q=True, pz=True), {}),
-                            (StatsSpec(q=True, pz=True), dict(temperature=0.7, bias=bias))):
+                            (StatsSpec(q=True, pz=True), dict(temperature=0.7, bias=bias)),
+                            (StatsSpec(q=True), dict(cw=cw))):
             rows.append(_mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, **extra))
             print(json.dumps(rows[-1]), flush=True)
         if not logits_only:

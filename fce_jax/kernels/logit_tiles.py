@@ -131,7 +131,8 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
     if cfg.mosaic and supports(x, w, bias, class_weights, transform, cfg, into=into, out_rows=out_rows, row0=row0,
                                row0_multiple=row0_multiple):
         return mosaic_logit_tiles(x, w, y_safe, has_q=spec.q, has_pz=spec.pz, store=store, cfg=cfg, bias=bias,
-                                  temperature=transform.temperature, into=into, row0=row0, out_rows=out_rows)
+                                  class_weights=class_weights, temperature=transform.temperature, into=into,
+                                  row0=row0, out_rows=out_rows)
     n, hidden = x.shape
     vocab = w.shape[0]
     n_tiles = pl.cdiv(vocab, cfg.tile_n)

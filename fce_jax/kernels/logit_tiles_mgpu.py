@@ -8,7 +8,7 @@
 - each row sum is fce_torch's adjacent-pairs tree (`row_sum`): halves of the columns added recursively down to
   blocks of 8, whose sum Mosaic GPU reduces as that tree does in its WGMMA layout (a thread's two adjacent
   columns, then the lanes 1 and 2 apart: `tree_sum`). Its interpret mode, whose reductions are XLA's, adds
-  the 8 columns by `pairwise_sum` instead.
+  the 8 columns by `pairwise_sum` instead;
 - e = 2^((z - m) log2 e) by `ex2.approx.ftz.f32` (`approx_math`), rounded to the input dtype once;
 - the product e (z - m_t) of the entropy's sum passes an optimization barrier before the tree adds it: Mosaic
   GPU allows LLVM to contract a product and a sum into an FMA, where the Triton kernels round the product
@@ -16,7 +16,8 @@
 
 The bias is added in float32 and the temperature divides (`z / T`, an IEEE division, as `fastmath.div`). The
 maxima ignore NaN, as Triton's `tl.max` does (Mosaic GPU's propagates it): a tile row of NaN alone gives -inf
-where Triton gives NaN. Class weights and a softcap stay on the Triton lowering (`supports`).
+where Triton gives NaN. Smoothing's class-weighted products `w_c (z − m_t)` (float32 class weights) pass the
+same barrier as the entropy's. A softcap stays on the Triton lowering (`supports`).
 """
 import functools
 
@@ -52,8 +53,8 @@ def tree_sum(v):
 
 def supports(x, w, bias, class_weights, transform, cfg, *, into=None, out_rows=None, row0=0, row0_multiple=1):
     """Whether this kernel computes these statistics: 16-bit operands, H a multiple of 8 and V of 64 (TMA's
-    rows of whole 16 bytes; the tile values' swizzled stores), at least one row, no class weights or softcap, a
-    bias of 16 or 32 bits, tile_n at least LEAF columns and tile_m two 64-row blocks, one per compute
+    rows of whole 16 bytes; the tile values' swizzled stores), at least one row, no softcap, a bias of 16 or 32
+    bits, float32 class weights, tile_n at least LEAF columns and tile_m two 64-row blocks, one per compute
     warpgroup. Where the tile values go into other rows of a larger array (`into`, `out_rows`): whole
     64-row blocks (TMA stores a whole block, and a partial one would write rows past the chunk's) from a
     first row `row0` that is a multiple of ROW0_MULTIPLE (the stores' tiles), as an int or, traced, by the
@@ -62,18 +63,20 @@ def supports(x, w, bias, class_weights, transform, cfg, *, into=None, out_rows=N
     aligned = (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
     return (jnp.dtype(x.dtype).itemsize == 2 and x.dtype == w.dtype and x.shape[0] > 0 and x.shape[1] % 8 == 0
             and w.shape[0] % 64 == 0 and (bias is None or jnp.dtype(bias.dtype).itemsize in (2, 4))
-            and class_weights is None and transform.softcap is None and cfg.tile_n >= LEAF and block == 64
+            and (class_weights is None or class_weights.dtype == F32) and transform.softcap is None
+            and cfg.tile_n >= LEAF and block == 64
             and (into is None and out_rows is None and isinstance(row0, int) and row0 == 0
                  or x.shape[0] % block == 0 and aligned))
 
 
-def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_tiles, has_bias, temperature,
-            has_q, has_pz, store, cfg, stages_):
+def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_tiles, has_bias, has_cw,
+            temperature, has_q, has_pz, store, cfg, stages_):
     """Output tiles of cfg.tile_m x cfg.tile_n, row blocks fastest (the programs that run together share a W
     tile), on a persistent loop. Per tile a memory warpgroup's TMA loads feed two compute warpgroups' wgmma
     (tile_m / 2 rows each), whose epilogue stores the tile values by TMA (`store`: rows from row0_gmem's of
     e) and its column of the [rows, T] partials."""
-    bias_gmem, out_gmem = (refs[0], refs[1:]) if has_bias else (None, refs)
+    columns = has_bias + has_cw  # the per-column vectors, bias then class weights: a block of each per tile
+    col_gmem, out_gmem = refs[:columns], refs[columns:]
     e_gmem, *parts_gmem = out_gmem if store else (None, *out_gmem)
     bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
     n_m = pl.cdiv(n_rows, cfg.tile_m)
@@ -92,11 +95,11 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
         e_smem=plgpu.SMEM((COMPUTE_WGS, bm, bn) if store else (1,), dtype, transforms=mgpu.transforms(bn, dtype)
                           if store else ()),
         y_smem=plgpu.SMEM((COMPUTE_WGS, bm), jnp.int32),
-        b_smem=plgpu.SMEM((COMPUTE_WGS, bn if has_bias else 1), bias_gmem.dtype if has_bias else F32),
-        bars=plgpu.Barrier(num_barriers=COMPUTE_WGS * (1 + has_bias)))
+        c_smem=[plgpu.SMEM((COMPUTE_WGS, bn), g.dtype) for g in col_gmem],
+        bars=plgpu.Barrier(num_barriers=COMPUTE_WGS * (1 + columns)))
 
     @functools.partial(pl.run_scoped, allocs=allocs, **scratch, collective_axes="wg")
-    def _scope(allocs, e_smem, y_smem, b_smem, bars):
+    def _scope(allocs, e_smem, y_smem, c_smem, bars):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((n_m * n_tiles,), collective_axes="sm")
@@ -116,20 +119,24 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
                 # the previous tile's stores have read the epilogue's buffers
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.copy_gmem_to_smem(y_gmem.at[rows], y_smem.at[wg], bars.at[wg])
-                if has_bias:
-                    plgpu.copy_gmem_to_smem(bias_gmem.at[pl.ds(c0, bn)], b_smem.at[wg], bars.at[COMPUTE_WGS + wg])
+                for i, (g, c_) in enumerate(zip(col_gmem, c_smem)):
+                    plgpu.copy_gmem_to_smem(g.at[pl.ds(c0, bn)], c_.at[wg], bars.at[(1 + i) * COMPUTE_WGS + wg])
 
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bn), F32))
                 def _acc(acc):
                     run(acc)
                     total = acc[...]
+                    col = []
+                    for i, c_ in enumerate(c_smem):
+                        plgpu.barrier_wait(bars.at[(1 + i) * COMPUTE_WGS + wg])
+                        col.append(lax.broadcast_in_dim(c_.at[wg][...].astype(F32), total.shape, [1]))
                     if has_bias:
-                        plgpu.barrier_wait(bars.at[COMPUTE_WGS + wg])
-                        total = total + lax.broadcast_in_dim(b_smem.at[wg][...].astype(F32), total.shape, [1])
+                        total = total + col[0]
                     if temperature != 1.0:
                         total = total / temperature
                     plgpu.barrier_wait(bars.at[wg])
-                    stats = _statistics(total, y_smem.at[wg][...], c0, vocab, has_q, has_pz)
+                    stats = _statistics(total, y_smem.at[wg][...], c0, vocab, has_q, has_pz,
+                                        col[-1] if has_cw else None)
                     e, stats = stats[0], stats[1:]
                     if store:
                         e_smem.at[wg][...] = e.astype(dtype)
@@ -148,8 +155,9 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _statistics(total, y, c0, vocab, has_q, has_pz):
-    """(e, m, s, amax, zy[, q][, pz]) of one warpgroup's rows of the tile, from its float32 logits `total`."""
+def _statistics(total, y, c0, vocab, has_q, has_pz, cw):
+    """(e, m, s, amax, zy[, q][, pz]) of one warpgroup's rows of the tile, from its float32 logits `total` (`cw`:
+    the columns' class weights, 0 past V, or None)."""
     shape = total.shape
     layout = None if interpret_mode() else plgpu.Layout.WGMMA
     cols = c0 + (lax.broadcasted_iota(jnp.int32, shape, 1) if layout is None else
@@ -165,17 +173,17 @@ def _statistics(total, y, c0, vocab, has_q, has_pz):
     out = [e, m_t, tree_sum(e), amax, zy]
     if has_q or has_pz:
         d = jnp.where(col_ok, z - m_b, 0.0)
-        if has_q:
-            out.append(tree_sum(d))
+        if has_q:  # a weighted product rounded, never an FMA with the tree's adds
+            out.append(tree_sum(d if cw is None else lax.optimization_barrier(cw * d)))
         if has_pz:
             out.append(tree_sum(lax.optimization_barrier(e * d)))  # rounded, never an FMA with the tree's adds
     return out
 
 
-def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, temperature=1.0, into=None, row0=0,
-                       out_rows=None):
-    """logit_tiles.py's `logit_tiles` on Mosaic GPU, where `supports` holds (`bias` [V] or None, the
-    transform's `temperature`): (the tile values, rows [row0, row0 + n) of `into` updated or of a new
+def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, class_weights=None, temperature=1.0,
+                       into=None, row0=0, out_rows=None):
+    """logit_tiles.py's `logit_tiles` on Mosaic GPU, where `supports` holds (`bias` and `class_weights` [V] or
+    None, the transform's `temperature`): (the tile values, rows [row0, row0 + n) of `into` updated or of a new
     [out_rows or n, V] array, or None without `store`; {m, s, amax, zy[, q][, pz]} of [n, T])."""
     n, hidden = x.shape
     vocab = w.shape[0]
@@ -184,16 +192,17 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, te
     padded = pl.cdiv(n, cfg.tile_m) * cfg.tile_m  # whole row blocks: the partials' stores stay inside
     parts = [jax.ShapeDtypeStruct((padded, n_tiles), jnp.int32 if k == "amax" else F32) for k in names]
     itemsize = jnp.dtype(x.dtype).itemsize
-    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4) + 2 * cfg.tile_n * 4  # tile values, targets, bias
+    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4) + 4 * cfg.tile_n * 4  # tile values, targets, columns
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
     body = functools.partial(_kernel, n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles,
-                             has_bias=bias is not None, temperature=float(temperature), has_q=has_q, has_pz=has_pz,
+                             has_bias=bias is not None, has_cw=class_weights is not None,
+                             temperature=float(temperature), has_q=has_q, has_pz=has_pz,
                              store=store, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, fixed))
     new = [] if not store or into is not None else [jax.ShapeDtypeStruct((out_rows or n, vocab), x.dtype)]
     launch = mgpu.kernel(body, programs=mgpu.programs(pl.cdiv(n, cfg.tile_m) * n_tiles), compute_threads=COMPUTE_WGS,
                          approx_math=not interpret_mode(),  # ex2.approx.ftz.f32 on the GPU; XLA's exp2 here
                          out_type=tuple(typed(new + parts, (x, w))))
-    args = [x, w, y_safe, jnp.asarray(row0, jnp.int32)] + ([] if bias is None else [bias])
+    args = [x, w, y_safe, jnp.asarray(row0, jnp.int32)] + [c for c in (bias, class_weights) if c is not None]
     if store and into is not None:
         (e_ref,) = mgpu.in_place([into])
         out = launch(*args, e_ref)
