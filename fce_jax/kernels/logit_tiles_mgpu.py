@@ -185,6 +185,7 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, cl
     """logit_tiles.py's `logit_tiles` on Mosaic GPU, where `supports` holds (`bias` and `class_weights` [V] or
     None, the transform's `temperature`): (the tile values, rows [row0, row0 + n) of `into` updated or of a new
     [out_rows or n, V] array, or None without `store`; {m, s, amax, zy[, q][, pz]} of [n, T])."""
+    columns = [c for c in (bias, class_weights if has_q else None) if c is not None]  # only q reads the weights
     n, hidden = x.shape
     vocab = w.shape[0]
     n_tiles = pl.cdiv(vocab, cfg.tile_n)
@@ -192,17 +193,18 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, cl
     padded = pl.cdiv(n, cfg.tile_m) * cfg.tile_m  # whole row blocks: the partials' stores stay inside
     parts = [jax.ShapeDtypeStruct((padded, n_tiles), jnp.int32 if k == "amax" else F32) for k in names]
     itemsize = jnp.dtype(x.dtype).itemsize
-    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4) + 4 * cfg.tile_n * 4  # tile values, targets, columns
+    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4) + COMPUTE_WGS * cfg.tile_n * sum(
+        jnp.dtype(c.dtype).itemsize for c in columns)  # the tile values, targets and column blocks
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
     body = functools.partial(_kernel, n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles,
-                             has_bias=bias is not None, has_cw=class_weights is not None,
+                             has_bias=bias is not None, has_cw=has_q and class_weights is not None,
                              temperature=float(temperature), has_q=has_q, has_pz=has_pz,
                              store=store, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, fixed))
     new = [] if not store or into is not None else [jax.ShapeDtypeStruct((out_rows or n, vocab), x.dtype)]
     launch = mgpu.kernel(body, programs=mgpu.programs(pl.cdiv(n, cfg.tile_m) * n_tiles), compute_threads=COMPUTE_WGS,
                          approx_math=not interpret_mode(),  # ex2.approx.ftz.f32 on the GPU; XLA's exp2 here
                          out_type=tuple(typed(new + parts, (x, w))))
-    args = [x, w, y_safe, jnp.asarray(row0, jnp.int32)] + [c for c in (bias, class_weights) if c is not None]
+    args = [x, w, y_safe, jnp.asarray(row0, jnp.int32), *columns]
     if store and into is not None:
         (e_ref,) = mgpu.in_place([into])
         out = launch(*args, e_ref)
