@@ -26,13 +26,20 @@ def traced(t):
 
 
 @triton.jit
-def row_sum(v, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr):
+def row_sum(v, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr, ASM: tl.constexpr):
     """The sum over the W (a power of two) columns of v [BM, W] by the fixed pairwise tree of `pairwise_sum`
-    (adjacent columns first): each step adds pairs, a + b, so no compiler chooses the order (and no reduction
-    starts from +0, which would turn a sum of -0 into +0)."""
+    (adjacent columns first): each step adds pairs, so no compiler chooses the order. On the GPU (ASM) a pair is
+    summed by a reduction over its axis of two: one add of the two, either way round (IEEE addition commutes;
+    no identity is added, so -0 stays -0: tests/test_sm90_registers.py reads it from the PTX). Where the pair's
+    halves lie in other lanes of the warp (in the wgmma layout, the pairs 4 and 8 columns wide) that is a warp
+    shuffle, where a split would move the whole tile through shared memory (in the logits GEMM's epilogue 32
+    rounds of two barriers). The interpreter splits the pairs: its reductions (numpy's) start from +0."""
     for i in tl.static_range(LOG2_W):
-        a, b = tl.split(tl.reshape(v, [BM, W >> (i + 1), 2]))
-        v = a + b
+        if ASM:
+            v = tl.sum(tl.reshape(v, [BM, W >> (i + 1), 2]), axis=2)
+        else:
+            a, b = tl.split(tl.reshape(v, [BM, W >> (i + 1), 2]))
+            v = a + b
     return tl.reshape(v, [BM])
 
 
@@ -44,7 +51,7 @@ def _pairwise_sum_kernel(x_ptr, out_ptr, n_rows, n, s_row, s_col, n_out, BR: tl.
     rows64 = rows.to(tl.int64)
     v = tl.load(x_ptr + rows64[:, None] * s_row + cols.to(tl.int64)[None, :] * s_col,
                 mask=(rows < n_rows)[:, None] & (cols < n)[None, :], other=0.0)
-    total = fm.to_dtype(row_sum(v, BR, BW, LOG2_BW), out_ptr.dtype.element_ty, ASM)  # rounded once, to out's
+    total = fm.to_dtype(row_sum(v, BR, BW, LOG2_BW, ASM), out_ptr.dtype.element_ty, ASM)  # rounded once, to out's
     tl.store(out_ptr + rows64 * n_out + tl.program_id(1), total, mask=rows < n_rows)
 
 

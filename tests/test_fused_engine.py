@@ -399,6 +399,12 @@ def test_logit_tiles_and_merge(k, name):
     # the tile maxima and the stored tile values
     m_t = torch.from_numpy(as_float64(parts["m"]))
     _assert_within(m_t, ref["m_t"], delta[:, None], "tile maxima")
+    # each tile's target logit: the target's own tile holds it, every other tile -inf (the kernels skip the
+    # target's column in tiles where no row of the block has its target)
+    zy_t = torch.from_numpy(as_float64(parts["zy"]))
+    own = (y_safe // TILE_N)[:, None] == torch.arange(n_tiles)[None, :]
+    assert torch.all(zy_t[~own] == -math.inf)
+    _assert_within(zy_t[own], ref["zy"], delta, "the target's tile's target logit")
     e64 = torch.from_numpy(as_float64(e))
     assert str(e.dtype).removeprefix("torch.") == dtype and tuple(e.shape) == (n, v)
     rtol = UNIT[dtype] + 4 * U32 * ((ref["z"] - ref["m_col"]).abs() + 2) + 2 * dz_err + 2 * delta[:, None]

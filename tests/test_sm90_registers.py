@@ -15,6 +15,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fce_torch.sums import row_sum
+
 
 def _compiled(kernel, signature, constants, warps=8, stages=3, aligned=()):
     for name in constants:
@@ -93,16 +95,51 @@ def test_logits_gemm_epilogue_does_not_spill(store):
     assert _in_compiler("logits", store) == 0
 
 
-def _logits(store):
+def test_logits_gemm_epilogue_sums_rows_in_registers():
+    """The row sums' pairwise tree in the wgmma layout: its pairs four and eight columns wide lie in other lanes
+    of the warp, and warp shuffles add them. Added as splits, the tile went through shared memory in 32 rounds
+    of two barriers each (83 barriers in the kernel, 32 vector loads from shared memory)."""
+    barriers, shared_loads = _in_compiler("logits_epilogue")
+    assert shared_loads == 0 and barriers < 32
+
+
+def test_row_sum_adds_each_pair_alone():
+    """`sums.row_sum` on the GPU sums each pair as a reduction over an axis of two: its PTX adds two registers
+    at each step and nothing else (no identity, which would turn a pair of -0 into +0, no constant)."""
+    adds, constants = _in_compiler("row_sum_adds")
+    assert adds > 0 and constants == 0
+
+
+@triton.jit
+def _row_sums(x_ptr, out_ptr, ASM: tl.constexpr):
+    rows = tl.arange(0, 16)
+    v = tl.load(x_ptr + rows[:, None] * 8 + tl.arange(0, 8)[None, :])
+    tl.store(out_ptr + rows, row_sum(v, 16, 8, 3, ASM))
+
+
+def _row_sum_adds():
+    """(adds of two registers, float immediates) in the PTX of row_sum over [16, 8], one warp."""
+    ptx = _compiled(_row_sums, dict(x_ptr="*fp32", out_ptr="*fp32"), dict(ASM=True), warps=1).asm["ptx"]
+    body = ptx[ptx.index("{"):]
+    return len(re.findall(r"add\.f32\s+%r\d+, %r\d+, %r\d+;", body)), len(re.findall(r"\b0f[0-9A-F]{8}\b", body))
+
+
+def _logits_epilogue():
+    """(barriers, vector loads from shared memory) in the PTX of the logits GEMM with q and pz."""
+    ptx = _logits(True, q=True, compiled=True).asm["ptx"]
+    return ptx.count("bar.sync"), ptx.count("ld.shared.v4")
+
+
+def _logits(store, q=False, compiled=False):
     from fce_torch.kernels import logit_tiles
     sig = dict(x_ptr="tensordesc<bf16[128,64]>", w_ptr="tensordesc<bf16[256,64]>", bias_ptr="*bf16",
                y_ptr="*i32", cw_ptr="*fp32", e_ptr="tensordesc<bf16[128,128]>", stride_e="i32", m_ptr="*fp32",
                s_ptr="*fp32", arg_ptr="*i32", zy_ptr="*fp32", q_ptr="*fp32", pz_ptr="*fp32", n_rows="i32",
                V="i32", H="i32", n_tiles="i32", softcap="fp32", temperature="fp32")
-    consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_TEMP=False, HAS_CW=False, HAS_Q=False, HAS_PZ=False,
+    consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_TEMP=False, HAS_CW=False, HAS_Q=q, HAS_PZ=q,
                   STORE=store, PRECISION="ieee", BM=128, BN=256, BK=64, LOG2_BN=8, EVEN_K=True, TMA=True,
                   E_DESC=store, E_DT=tl.bfloat16, FLATTEN=False, ASM=True)
-    return _spilled(logit_tiles._logit_tiles_kernel, sig, consts)
+    return (_compiled if compiled else _spilled)(logit_tiles._logit_tiles_kernel, sig, consts)
 
 
 @pytest.mark.parametrize("zy_tiles, q, pz", [(True, False, False), (False, True, True)])
@@ -122,11 +159,12 @@ def _merge(zy_tiles, q, pz):
 
 
 def _in_compiler(kind, *args):
-    """Bytes spilled per thread by the case, compiled with the interpreter off."""
+    """What the case's function `_kind` returns (bytes spilled per thread, or counts in its PTX), compiled with
+    the interpreter off."""
     code = (f"import json, sys; from tests import test_sm90_registers as t; "
-            f"print(t._{kind}(*json.loads(sys.argv[1])))")
+            f"print(json.dumps(t._{kind}(*json.loads(sys.argv[1]))))")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    return int(done.stdout.split()[-1])
+    return json.loads(done.stdout.splitlines()[-1])

@@ -34,6 +34,8 @@ from fce_torch.kernels import logit_tiles as tt
 LAUNCH = dict(tma=False, persistent=False, programs_per_sm=1)  # fce_torch's pointer-load kernels, one program per tile
 VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
     dict(tma=True, persistent=True), dict(tma=True), {}, dict(tma=True, persistent=True, num_stages=4),
+    # the next tile's loads under this one's epilogue (spill-free since the row sums stay in registers)
+    dict(tma=True, persistent=True, flatten=True), dict(tma=True, persistent=True, flatten=True, num_stages=4),
     dict(tma=True, num_stages=4), dict(num_stages=4),
     # two programs per multiprocessor (registers and shared memory for both): one's epilogue beside the other's MMAs
     dict(tma=True, tile_m=64, num_warps=4, num_stages=2), dict(tma=True, persistent=True, programs_per_sm=2,

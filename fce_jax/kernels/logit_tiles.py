@@ -59,7 +59,10 @@ def _logit_tiles_kernel(x_ref, w_ref, bias_ref, y_ref, cw_ref, row0_ref, *refs, 
     if has_bias:
         r = r + pltriton.load(bias_ref.at[cs], mask=col_ok, other=0.0).astype(F32)[None, :]
     z, _ = logit_transform(r, transform, asm)
-    z = jnp.where(col_ok[None, :], z, -jnp.inf)
+    # Per-element work that changes no value is skipped where it can be: the column mask in every tile but a
+    # partial last one, the target's column where no row of the block has its target in the tile.
+    partial = c0 + bn > vocab
+    z = lax.cond(partial, lambda: jnp.where(col_ok[None, :], z, -jnp.inf), lambda: z)
     m_t = jnp.max(z, axis=1)
     e = fm.ex2((z - m_t[:, None]) * LOG2E, asm)
     y = pltriton.load(y_ref.at[rs], mask=row_ok, other=-1)
@@ -70,9 +73,12 @@ def _logit_tiles_kernel(x_ref, w_ref, bias_ref, y_ref, cw_ref, row0_ref, *refs, 
     put(m_ref, m_t)
     put(s_ref, row_sum(e))
     put(arg_ref, jnp.min(jnp.where(z == m_t[:, None], cols[None, :], I32_MAX), axis=1))
-    put(zy_ref, jnp.max(jnp.where(cols[None, :] == y[:, None], z, -jnp.inf), axis=1))
+    put(zy_ref, lax.cond(jnp.max(((y >= c0) & (y < c0 + bn)).astype(jnp.int32)) > 0,
+                         lambda: jnp.max(jnp.where(cols[None, :] == y[:, None], z, -jnp.inf), axis=1),
+                         lambda: jnp.full((bm,), -jnp.inf, F32)))
     if has_q or has_pz:
-        d = jnp.where(col_ok[None, :], z - m_t[:, None], 0.0)
+        d = z - m_t[:, None]
+        d = lax.cond(partial, lambda: jnp.where(col_ok[None, :], d, 0.0), lambda: d)
         if has_q:
             d_w = d
             if has_cw:

@@ -163,16 +163,23 @@ def _statistics(total, y, c0, vocab, has_q, has_pz, cw):
     cols = c0 + (lax.broadcasted_iota(jnp.int32, shape, 1) if layout is None else
                  plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout))
     col_ok = cols < vocab
-    z = jnp.where(col_ok, total, -jnp.inf)
+    # Per-element work that changes no value is skipped where it can be: the column mask in every tile but a
+    # partial last one, the target's column where no row of the warpgroup has its target in the tile.
+    partial = c0 + shape[1] > vocab
+    z = lax.cond(partial, lambda: jnp.where(col_ok, total, -jnp.inf), lambda: total)
     number = z == z
     m_t = jnp.max(jnp.where(number, z, -jnp.inf), axis=1)
     m_b = lax.broadcast_in_dim(m_t, shape, [0])
     amax = jnp.min(jnp.where(z == m_b, cols, I32_MAX), axis=1)
-    zy = jnp.max(jnp.where((cols == lax.broadcast_in_dim(y, shape, [0])) & number, z, -jnp.inf), axis=1)
+    zy = lax.cond(jnp.max(((y >= c0) & (y < c0 + shape[1])).astype(jnp.int32)) > 0,
+                  lambda: jnp.max(jnp.where((cols == lax.broadcast_in_dim(y, shape, [0])) & number, z, -jnp.inf),
+                                  axis=1),
+                  lambda: jnp.full(m_t.shape, -jnp.inf, F32))
     e = jnp.exp2((z - m_b) * LOG2E)
     out = [e, m_t, tree_sum(e), amax, zy]
     if has_q or has_pz:
-        d = jnp.where(col_ok, z - m_b, 0.0)
+        d = z - m_b
+        d = lax.cond(partial, lambda: jnp.where(col_ok, d, 0.0), lambda: d)
         if has_q:  # a weighted product rounded, never an FMA with the tree's adds
             out.append(tree_sum(d if cw is None else lax.optimization_barrier(cw * d)))
         if has_pz:

@@ -64,7 +64,11 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
         if HAS_BIAS:
             r = r + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         z, _t = logit_transform(r, softcap, temperature, HAS_SOFTCAP, HAS_TEMP, ASM)
-        z = tl.where(col_ok[None, :], z, float("-inf"))
+        # Per-element work that changes no value is skipped where it can be: the column mask in every tile but
+        # a partial last one, the target's column where no row of the block has its target in the tile.
+        partial = (t + 1) * BN > V
+        if partial:
+            z = tl.where(col_ok[None, :], z, float("-inf"))
         m_t = tl.max(z, axis=1)
         y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
         part = rows64 * n_tiles + t
@@ -72,20 +76,24 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
         # z's own reductions before e exists: z and e live together only where the head needs z - m_t
         tl.store(arg_ptr + part, tl.min(tl.where(z == m_t[:, None], cols[None, :], 2147483647), axis=1),
                  mask=row_ok)
-        tl.store(zy_ptr + part, tl.max(tl.where(cols[None, :] == y[:, None], z, float("-inf")), axis=1),
-                 mask=row_ok)
+        zy_t = tl.full([BM], float("-inf"), tl.float32)
+        if tl.max(((y >= t * BN) & (y < t * BN + BN)).to(tl.int32), axis=0) > 0:
+            zy_t = tl.max(tl.where(cols[None, :] == y[:, None], z, float("-inf")), axis=1)
+        tl.store(zy_ptr + part, zy_t, mask=row_ok)
         e = fm.ex2((z - m_t[:, None]) * LOG2E, ASM)
-        tl.store(s_ptr + part, row_sum(e, BM, BN, LOG2_BN), mask=row_ok)
+        tl.store(s_ptr + part, row_sum(e, BM, BN, LOG2_BN, ASM), mask=row_ok)
         if HAS_Q or HAS_PZ:
-            d = tl.where(col_ok[None, :], z - m_t[:, None], 0.0)
+            d = z - m_t[:, None]
+            if partial:
+                d = tl.where(col_ok[None, :], d, 0.0)
             if HAS_Q:
                 if HAS_CW:
                     d_w = fm.mul(tl.load(cw_ptr + cols, mask=col_ok, other=0.0)[None, :], d, ASM)
                 else:
                     d_w = d
-                tl.store(q_ptr + part, row_sum(d_w, BM, BN, LOG2_BN), mask=row_ok)
+                tl.store(q_ptr + part, row_sum(d_w, BM, BN, LOG2_BN, ASM), mask=row_ok)
             if HAS_PZ:
-                tl.store(pz_ptr + part, row_sum(fm.mul(e, d, ASM), BM, BN, LOG2_BN), mask=row_ok)
+                tl.store(pz_ptr + part, row_sum(fm.mul(e, d, ASM), BM, BN, LOG2_BN, ASM), mask=row_ok)
         if STORE:
             e16 = fm.to_dtype(e, E_DT, ASM)
             if E_DESC:
