@@ -122,6 +122,9 @@ class GradGemmConfig:
     flatten: bool = False  # as GemmConfig's (fce_torch), where K is not sliced and C is not added to
     programs_per_sm: int = 1  # as GemmConfig's (fce_torch)
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
+    # dZ formed from the logits GEMM's tile values on the dX / dW GEMMs' operand load, where the head's dZ is
+    # that of `tile_dlogits.supports_on_load` (no pass over the [rows, V] values): the same values, speed only
+    dz_on_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,8 @@ PAIRWISE = PairwiseConfig()
 PAIRWISE_INTERPRETER = PairwiseConfig(block=1 << 20)
 # In place, g = 1 skips the pass: a few programs then cost a launch, not one per block of dW.
 GRAD_SCALE = BlockConfig(block=4096, num_warps=8, max_programs=1024)
-# Not flattened: with its statistics epilogue the flattened loop spills 952 bytes per thread (sm_90a).
+# Not flattened: the flattened loop spilled 952 bytes per thread (sm_90a) until the row sums' pairs became
+# warp shuffles (0 since), and was timed at H = 640 only (tools/fused_kernels.py --logits times it again).
 GEMM = GemmConfig()
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
@@ -175,6 +179,10 @@ GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persisten
 # bench/results/nvidia-h200/tile-order/). dW on them where their column tiles pad H less
 # (grad_gemms._dw_config).
 GRAD_GEMM_TORCH_TALL = dataclasses.replace(GRAD_GEMM_TORCH, tile_m=256, tile_n=128)
+# fce_torch's launch where dZ is formed on the operand load: 128x256 tiles, not flattened, the ones that hold
+# the tile values' transform without spilling (sm_90a, compiled on the CPU: dX and dW written 0 bytes; the
+# (hi, lo) accumulation 224; flattened 68-280, on 256x128 tiles 276-952). Not timed on the GPU yet.
+GRAD_GEMM_TORCH_ON_LOAD = dataclasses.replace(GRAD_GEMM_TORCH, flatten=False)
 # The JAX twin's launch of the same GEMMs on Pallas Mosaic GPU, its default for 16-bit operands on the GPU
 # (NUMERICS as GRAD_GEMM): two compute warpgroups on half a tile's rows each, TMA loads, persistent programs,
 # 3 stages, 256x128 tiles: with dW's tiles walking H fastest (`fce_core.plan.rows_fast`), faster than 128x256

@@ -20,10 +20,10 @@ from fce_core.plan import layout
 
 from . import arrays, gemm
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows, zero_rows_from
-from .kernels.grad_gemms import dw_accumulate, dw_first, dw_gemm, dx_gemm
+from .kernels.grad_gemms import TileValues, dw_accumulate, dw_first, dw_gemm, dx_gemm, forms_dz_on_load
 from .kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
 from .kernels.row_stats import row_stats
-from .kernels.tile_dlogits import tile_dlogits
+from .kernels.tile_dlogits import supports_on_load, tile_dlogits
 from .sums import pairwise_sum
 
 F32 = jnp.float32
@@ -112,8 +112,9 @@ class _Sweep:
 
     def fused_chunk(self, acc, x_c, inputs, r0, trace, r0_multiple=1):
         """`chunk` on the fused engine: the tile values go into the kept dZ rows (or a new [rows, V] array in
-        the input dtype, not written without gradients) and dZ overwrites them. Vocab-parallel, the target
-        logit is the owner shard's and the shards' statistics are merged, as in `chunk`."""
+        the input dtype, not written without gradients) and dZ overwrites them, or the GEMMs form it on their
+        operand load where fce_torch's `_FusedChunkRunner` does. Vocab-parallel, the target logit is the
+        owner shard's and the shards' statistics are merged, as in `chunk`."""
         y, vocab, comm = inputs["y"], self.w.shape[0], self.comm
         local = y if comm is None else comm.local_targets(y)
         need = any(self.grads)
@@ -132,6 +133,10 @@ class _Sweep:
             trace["tiles"] = e[rows]
         if not need:
             return acc, out, None
+        if (not self.keep and forms_dz_on_load() and not self.grads[2] and trace is None and comm is None
+                and supports_on_load(self.class_weights, out, self.transform)):
+            dx_c, dw, db = self.add(TileValues(e, parts["m"], local, out, gemm_config().tile_n), x_c, *acc)
+            return (dw, db), out, dx_c
         dz = tile_dlogits(e, parts["m"], local, stats["zy"], self.class_weights, out, transform=self.transform,
                           row0=row0)
         if trace is not None:
@@ -173,9 +178,9 @@ class _Sweep:
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); with `ran`,
         dX, dW and db over the first `ran` rows, with `last` a pair's hi alone, with `scale` dZ's rows scaled
-        in the GEMMs, as in fce_torch's `_Grads._add_own`."""
+        in the GEMMs, as in fce_torch's `_Grads._add_own`; `dz` may be `grad_gemms.TileValues`."""
         need_dx, need_dw, _ = self.grads
-        precision = gemm.pallas_precision(dz)
+        precision = gemm.pallas_precision(x_rows)  # dZ's dtype: the tile values are in the input's
         dx = self._dx(lambda dtype: dx_gemm(dz, self.w, dtype, precision, rows=ran),
                       x_rows.dtype, scale) if need_dx else None
         if need_dw and scale is not None:

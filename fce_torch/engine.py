@@ -16,10 +16,10 @@ from . import arrays, gemm
 from .checks import HostRead
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .kernels.fastmath import ASM
-from .kernels.grad_gemms import dw_accumulate, dw_first, dw_gemm, dx_gemm
+from .kernels.grad_gemms import TileValues, dw_accumulate, dw_first, dw_gemm, dx_gemm, forms_dz_on_load
 from .kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
 from .kernels.row_stats import row_stats
-from .kernels.tile_dlogits import tile_dlogits
+from .kernels.tile_dlogits import supports_on_load, tile_dlogits
 from .sums import pairwise_sum
 
 F32 = torch.float32
@@ -122,8 +122,9 @@ class _Grads:
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); vocab-parallel,
         dX from the shards' float32 parts as in `add`. With `ran`, dX is 0 past those rows and dW's K is
         `ran`. With `scale` (dZ's rows times scale, docs/NUMERICS.md "CPO"), dX = scale (dZ W) rounded once
-        from float32, dW = dZ^T (scale X) and db sums scale dZ: no pass over the [rows, V] dZ."""
-        precision = gemm.triton_precision(dz)
+        from float32, dW = dZ^T (scale X) and db sums scale dZ: no pass over the [rows, V] dZ. `dz` may be
+        `grad_gemms.TileValues`, dZ formed on the GEMMs' operand load (no `scale`, `ran` or db then)."""
+        precision = gemm.triton_precision(x_rows)  # dZ's dtype: the tile values are in the input's
         if self.need_dx:
             self._dx(r0, r1, lambda out: dx_gemm(dz, self.w, out, precision, rows=ran), scale)
         if self.need_dw:
@@ -263,13 +264,16 @@ class _ChunkRunner:
 
 class _FusedChunkRunner(_ChunkRunner):
     """The same chunk on the fused engine: the tile values take the kept rows (or a new [rows, V] array in the
-    input dtype) and dZ overwrites them. Vocab-parallel, the target logit is the owner shard's and the shards'
-    statistics are merged, as in `_ChunkRunner`."""
+    input dtype) and dZ overwrites them, or, where the GEMMs form it on their operand load
+    (`grad_gemms.forms_dz_on_load`, a head that `tile_dlogits.supports_on_load` admits, the chunk's own GEMMs
+    without db), the GEMMs take the tile values as they are. Vocab-parallel, the target logit is the owner
+    shard's and the shards' statistics are merged, as in `_ChunkRunner`."""
 
     def __init__(self, w, bias, class_weights, head, transform, grads, trace, comm):
         super().__init__(w, bias, class_weights, head, transform, grads, trace, comm)
         self.tile_weights = None if class_weights is None else tile_weights(arrays, class_weights,
                                                                               gemm_config().tile_n)
+        self.on_load = forms_dz_on_load() and not grads[2] and trace is None and comm is None
 
     def __call__(self, x_c, inputs, add, dz_rows):
         y, vocab, comm = inputs["y"], self.w.shape[0], self.comm
@@ -286,6 +290,9 @@ class _FusedChunkRunner(_ChunkRunner):
         if trace is not None and e is not None:
             trace["tiles"] = e.clone()
         if self.need_grads:
+            if add is not None and self.on_load and supports_on_load(self.cw, out, self.transform):
+                add[0].add(TileValues(e, parts["m"], local, out, gemm_config().tile_n), add[1], add[2], x_c)
+                return out
             tile_dlogits(e, parts["m"], local, stats["zy"], self.cw, out, transform=self.transform)
             del parts, stats  # the [rows, tiles] partials are free before the dX planes and dW take memory
             if trace is not None:

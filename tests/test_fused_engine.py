@@ -448,6 +448,123 @@ LAUNCHES = [dict(tma=t, persistent=p) for t in (False, True) for p in (False, Tr
     dict(tile_m=32, tma=True, persistent=True, programs_per_sm=2)]
 
 
+ON_LOAD_SHAPES = {  # rows, H, V: V a partial tile (pointer loads in fce_torch), V of whole 16-byte rows (TMA)
+    "v203_pointer_loads": (37, 40, 203), "v256_tma": (64, 48, 256)}
+
+
+def _tile_values(n, v, dtype, seed):
+    """Tile values e in [0, 1] in `dtype` (some exactly 0 and 1), tile maxima, safe targets and head
+    coefficients (row 2 without a gradient, smoothing's c nonzero) of n rows and V = v."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.rand(n, v, generator=g)
+    e[e < 0.05] = 0.0
+    e[:, ::TILE_N] = 1.0
+    coef = {"lse": torch.rand(n, generator=g) * 4 + 6, "a": torch.randn(n, generator=g),
+            "b": torch.randn(n, generator=g), "c": torch.randn(n, generator=g) * 1e-3}
+    for key in ("a", "b", "c"):
+        coef[key][2] = 0.0
+    return (e.to(getattr(torch, dtype)), torch.randn(n, -(-v // TILE_N), generator=g) * 4 + 4,
+            torch.randint(0, v, (n,), generator=g), coef)
+
+
+def _grad_products(twin, dz, w, x, split):
+    """dX (one slice and the planned slices), dW written, and the pair (or float32) accumulated over the rows
+    [0, split) then [split, n) (its last product hi alone), of one twin: arrays in torch."""
+    if twin == "torch":
+        from fce_torch.kernels import grad_gemms as g
+        dx = g.dx_gemm(dz, w, torch.empty(x.shape, dtype=x.dtype))
+        part = [g.dw_first(_rows(dz, 0, split), x[:split], w.dtype)]
+        part.append(g.dw_accumulate(_rows(dz, split, None), x[split:], part[0], last=True))
+        return [dx, g.dw_gemm(dz, x, torch.float32), *part]
+    from fce_jax.kernels import grad_gemms as g
+    xj, wj = to_jax(x), to_jax(w)
+    first = g.dw_first(_rows(dz, 0, split), xj[:split], wj.dtype)
+    outs = [g.dx_gemm(dz, wj, xj.dtype), g.dw_gemm(dz, xj, np.float32), first,
+            g.dw_accumulate(_rows(dz, split, None), xj[split:], first, last=True)]
+    return [tuple(map(to_torch, o)) if isinstance(o, tuple) else to_torch(o) for o in outs]
+
+
+def _rows(dz, r0, r1):
+    """Rows [r0, r1) of dZ or of its tile values (TileValues)."""
+    if hasattr(dz, "coef"):
+        return dz._replace(e=dz.e[r0:r1], m_tiles=dz.m_tiles[r0:r1], y=dz.y[r0:r1],
+                           coef={k: c[r0:r1] for k, c in dz.coef.items()})
+    return dz[r0:r1]
+
+
+def _flat_bits(outs):
+    flat = [t for o in outs for t in (o if isinstance(o, tuple) else (o,))]
+    return [np.asarray(as_float64(t)).view(np.uint64) for t in flat]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name", list(ON_LOAD_SHAPES))
+def test_grad_gemms_form_dz_on_load(name, dtype):
+    """dX, dW written, and dW accumulated over two chunks (the (hi, lo) pair for bfloat16, float32 otherwise)
+    from the tile values with dZ formed on the GEMMs' operand load (`TileValues`) give the bits of the same
+    GEMMs over `tile_dlogits`' dZ, in each twin: tile values 0 and 1, a row without a gradient, smoothing's c,
+    a partial last tile, the dX slices and dW's K split into chunks."""
+    from fce_jax.kernels import grad_gemms as jg
+    from fce_jax.kernels.tile_dlogits import tile_dlogits as jax_tile_dlogits
+    from fce_torch.kernels import grad_gemms as tg
+    from fce_torch.kernels.tile_dlogits import tile_dlogits
+
+    n, h, v = ON_LOAD_SHAPES[name]
+    dt = getattr(torch, dtype)
+    e, m_tiles, y, coef = _tile_values(n, v, dtype, seed=len(name) + h)
+    g = torch.Generator().manual_seed(n)
+    w, x = (torch.randn(v, h, generator=g) / 4).to(dt), torch.randn(n, h, generator=g).to(dt)
+    dz = e.clone()
+    tile_dlogits(dz, m_tiles, y, torch.zeros(n), None, coef, transform=Transform())
+    zj = jax_tile_dlogits(to_jax(e), to_jax(m_tiles), to_jax(y.to(torch.int32)), to_jax(torch.zeros(n)), None,
+                          {k: to_jax(c) for k, c in coef.items()}, transform=Transform())
+    assert (dz[:, :v].float().abs() > 0).sum() > dz.numel() // 2 and torch.all(dz[2] == 0)  # not vacuous
+    split = n // 3 * 2
+    runs = {"torch dZ": _grad_products("torch", dz, w, x, split),
+            "torch on load": _grad_products("torch", tg.TileValues(e, m_tiles, y, coef, TILE_N), w, x, split),
+            "jax dZ": _grad_products("jax", zj, w, x, split),
+            "jax on load": _grad_products("jax", jg.TileValues(to_jax(e), to_jax(m_tiles), to_jax(y.to(torch.int32)),
+                                                               {k: to_jax(c) for k, c in coef.items()}, TILE_N),
+                                          w, x, split)}
+    for twin in ("torch", "jax"):  # the twins' GEMMs agree where the sums are exact (the tests above)
+        want, got = _flat_bits(runs[f"{twin} dZ"]), _flat_bits(runs[f"{twin} on load"])
+        assert len(got) == len(want) == (5 if dtype == "bfloat16" else 4)  # the pair, or float32
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert np.array_equal(a, b), (twin, i)
+
+
+@each_twin
+@pytest.mark.parametrize("name, on_load", [("mean_ignored_rows", True), ("sum_smoothing_z_loss", True),
+                                           ("class_weights", False)])
+def test_fused_engine_forms_dz_on_load(twin, monkeypatch, name, on_load):
+    """The fused engine with `GradGemmConfig.dz_on_load` gives the bits of the engine that writes dZ, over
+    several chunks: the GEMMs take the tile values (no dZ pass) where the head admits it
+    (`tile_dlogits.supports_on_load`; not with class weights)."""
+    import importlib
+    engine = importlib.import_module(f"fce_{twin.name}.engine")
+    case = {"mean_ignored_rows": Case("onload", (70,), 32, 203, "bfloat16", ignore_frac=0.3, seed=150),
+            "sum_smoothing_z_loss": Case("onloadls", (70,), 32, 256, "bfloat16", reduction="sum",
+                                         label_smoothing=0.1, z_loss=1e-3, seed=151),
+            "class_weights": Case("onloadcw", (70,), 32, 203, "bfloat16", class_weights=True, seed=152)}[name]
+    case = _fused(case)
+    inp = make_inputs(case)
+    runs, formed = [], []
+    for on in (False, True):
+        monkeypatch.setattr(engine, "forms_dz_on_load", lambda on=on: on)
+        monkeypatch.setattr(engine, "TileValues", functools.partial(_counted, formed, engine.TileValues))
+        runs.append(twin.run(inp, case.options(), chunk_rows=32, fresh=True))
+        monkeypatch.undo()
+        assert bool(formed) == (on and on_load)
+    for key, v in runs[0].items():
+        if v is not None:
+            assert np.array_equal(twin.bits(v), twin.bits(runs[1][key])), key
+
+
+def _counted(calls, make, *args):
+    calls.append(1)
+    return make(*args)
+
+
 def test_twins_share_the_grad_gemm_numerics():
     """fce_torch's dX/dW launch config may differ from the JAX twin's only in fields that cannot change bits:
     every NUMERICS field (those setting dX's slices of V) is the same, on the GPU and in the interpreters."""
@@ -952,6 +1069,15 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
     for dt, v in ((f32, 1024), (bf, 1001)):
         text = lowered(lambda a, b: jg.dx_gemm(a, b, dt), s((256, v), dt), s((v, 64), dt))
         assert "mosaic_gpu" not in text and "xla.gpu.triton" in text
+    # and dZ formed on the load (TileValues), at the bench's H = 640 chunk
+
+    def on_load(e, m_tiles, y, lse, a, b, c, w, x):
+        tv = jg.TileValues(e, m_tiles, y, {"lse": lse, "a": a, "b": b, "c": c}, 256)
+        return jg.dx_gemm(tv, w, bf), jg.dw_first(tv, x, bf)
+
+    text = lowered(on_load, s((512, 262144), bf), s((512, 1024), f32), s((512,), jnp.int32), *[s((512,), f32)] * 4,
+                   s((262144, 640), bf), s((512, 640), bf))
+    assert "mosaic_gpu" not in text and "xla.gpu.triton" in text
     assert dx_slices(256, 4096, 128256, cfg) > 1 and dx_slices(1024, 4096, 128256, cfg) == 1
 
 

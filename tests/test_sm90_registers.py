@@ -50,6 +50,13 @@ def test_grad_gemm_epilogue_does_not_spill(mode, first, bm, bn, c_dt, a_t):
     assert _in_compiler("grad", mode, first, bm, bn, c_dt, a_t) == 0
 
 
+@pytest.mark.parametrize("a_t", [False, True])
+def test_grad_gemm_forming_dz_on_load_does_not_spill(a_t):
+    """dX and dW written with dZ formed on the operand load, on their launch (GRAD_GEMM_TORCH_ON_LOAD: 128x256,
+    not flattened): the tile values' transform fits in the registers beside the accumulator."""
+    assert _in_compiler("grad", 0, False, 128, 256, "bf16", a_t, False, False, True) == 0
+
+
 @pytest.mark.parametrize("sliced", [False, True])
 def test_grad_gemm_loops_flatten_where_k_is_unsliced(sliced):
     """FLATTEN pipelines the tile loop and its K loop as one (the next tile's loads overlap this tile's
@@ -74,19 +81,22 @@ def _grad_loop_depth(sliced):
     return deepest
 
 
-def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False):
-    from fce_core.config import GRAD_GEMM_TORCH
+def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False, on_load=False):
+    from fce_core.config import GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_ON_LOAD
     from fce_torch.kernels import grad_gemms
     c_block = f"[{bm},{bn // 2}]"
     sig = dict(a_ptr=f"tensordesc<bf16[64,{bm}]>" if a_t else f"tensordesc<bf16[{bm},64]>", s_am="i32",
                s_ak="i32", b_ptr=f"tensordesc<bf16[64,{bn}]>", s_bk="i32", s_bn="i32",
                c_ptr=f"tensordesc<{c_dt}{c_block}>", lo_ptr=f"tensordesc<{'i8' if mode == 2 else c_dt}{c_block}>",
-               s_cm="i32", M="i32",
-               N="i32", K="i32", SLICE_K="i32", n_slices="i32")
+               s_cm="i32", M="i32", N="i32", K="i32", SLICE_K="i32", n_slices="i32", mt_ptr="*fp32", y_ptr="*i64",
+               lse_ptr="*fp32", ca_ptr="*fp32", cb_ptr="*fp32", cc_ptr="*fp32", dz_rows="i32", V="i32",
+               n_tiles="i32")
     dt = tl.bfloat16 if c_dt == "bf16" else tl.float32
     consts = dict(MODE=mode, FIRST=first, PRECISION="ieee", BM=bm, BN=bn, BK=64, EVEN_K=True, TMA=True, A_T=a_t,
                   C_DESC=True, C_DT=dt, PLANES=False, ROWS_FAST=False,
-                  FLATTEN=grad_gemms.flattened(GRAD_GEMM_TORCH, mode), SLICED=sliced, ASM=True)
+                  FLATTEN=grad_gemms.flattened(GRAD_GEMM_TORCH_ON_LOAD if on_load else GRAD_GEMM_TORCH, mode),
+                  SLICED=sliced, ON_LOAD=on_load, TILE_N=256,
+                  ASM=True)
     return (_compiled if compiled else _spilled)(grad_gemms._gemm_kernel, sig, consts)
 
 

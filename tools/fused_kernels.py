@@ -3,7 +3,7 @@ statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile va
 twin's Mosaic GPU kernel, GEMM_MOSAIC, against fce_torch's default), against
 cuBLAS / XLA's plain logits GEMM; then the dX and dW GEMMs and the (hi, lo) accumulation, in each twin's
 launch variants (fce_torch's Triton, the JAX twin's Mosaic GPU and Triton), every one's bits against fce_torch's
-default.
+default; and a chunk's backward with dZ formed on the GEMMs' operand load against the dZ pass (`on_load_rows`).
 The logits variants (TMA loads, persistent programs) are fce_torch's; the JAX twin runs its one kernel for
 each. A development tool: its table guides GemmConfig and GradGemmConfig.
 
@@ -110,6 +110,88 @@ def grad_rows(n, h, v):
     return rows
 
 
+def on_load_rows(n, h, v):
+    """One chunk's backward with dZ formed on the GEMMs' operand load (`TileValues`, GradGemmConfig.dz_on_load)
+    against the dZ pass (`tile_dlogits`) and the GEMMs over its dZ: each kernel's time and the chunk's total,
+    fce_torch on its launches (GRAD_GEMM_TORCH_ON_LOAD, and the flattened / 256x128 ones, which spill), the
+    JAX twin on the Triton lowering (the one that forms dZ on load) against its default; bits against the dZ
+    path. The tile values and maxima are the logits GEMM's, of the fused plan's chunk at (n, h, v)."""
+    from fce_core.config import GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH_TALL
+    from fce_jax.kernels.tile_dlogits import tile_dlogits as jax_tile_dlogits
+    from fce_torch.kernels.tile_dlogits import tile_dlogits
+
+    m = min(n, fused_rows(n, h, v, 2, need_grads=True, dw_pair=True).rows)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
+    y = torch.randint(0, v, (m,), device="cuda", generator=g)
+    e, parts = tt.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(), precision="ieee")
+    stats = tt.merge_tiles(parts, v)
+    lse = stats["m"] + torch.log(stats["s"])
+    coef = {"lse": lse, "a": torch.full_like(lse, 1 / m), "b": torch.full_like(lse, -1 / m),
+            "c": torch.full_like(lse, 1e-5)}
+    pair = tg.dw_first(e, x, torch.bfloat16)
+    dz = e.clone()
+    tile_dlogits(dz, parts["m"], y, stats["zy"], None, coef, transform=Transform())
+    out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+    ref = [_bits(tg.dx_gemm(dz, w, out).clone()),
+           *[_bits(p) for p in tg.dw_accumulate(dz, x, tuple(p.clone() for p in pair))]]
+    tv = tg.TileValues(e, parts["m"], y, coef, GEMM.tile_n)
+    scratch = e.clone()
+    rows = [dict(shape=(m, h, v), twin="torch", cfg="on load: dZ pass", ms=best_ms(
+        lambda: tile_dlogits(scratch, parts["m"], y, stats["zy"], None, coef, transform=Transform())))]
+    timed = tuple(p.clone() for p in pair)
+    rows.append(dict(shape=(m, h, v), twin="torch", cfg="on load: GEMMs over dZ (default launches)",
+                     dx_ms=best_ms(lambda: tg.dx_gemm(dz, w, out)),
+                     acc_ms=best_ms(lambda: tg.dw_accumulate(dz, x, timed))))
+    for cfg in (GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL):
+        row = dict(shape=(m, h, v), twin="torch", cfg=f"on load: GEMMs forming dZ, {_tag(cfg)}")
+        try:
+            got = [_bits(tg.dx_gemm(tv, w, out, cfg=cfg).clone()),
+                   *[_bits(p) for p in tg.dw_accumulate(tv, x, tuple(p.clone() for p in pair), cfg=cfg)]]
+            row.update(dx_ms=best_ms(lambda: tg.dx_gemm(tv, w, out, cfg=cfg)),
+                       acc_ms=best_ms(lambda: tg.dw_accumulate(tv, x, timed, cfg=cfg)),
+                       bits=all(np.array_equal(a, b) for a, b in zip(got, ref)))
+        except Exception as exc:  # noqa: BLE001  (a variant that does not compile is reported)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+        rows.append(row)
+    ej, mj, yj, dzj, wj, xj = (jax.dlpack.from_dlpack(t) for t in (e, parts["m"], y.to(torch.int32), dz, w, x))
+    cj = {k: jax.dlpack.from_dlpack(c) for k, c in coef.items()}
+    zyj = jax.dlpack.from_dlpack(stats["zy"])
+    jpass = jax.jit(lambda a: jax_tile_dlogits(a, mj, yj, zyj, None, cj, transform=Transform()))
+    rows.append(dict(shape=(m, h, v), twin="jax", cfg="on load: dZ pass",
+                     ms=best_ms(lambda: jpass(ej).block_until_ready())))
+    for label, operand in (("GEMMs over dZ (default launches)", dzj),
+                           ("GEMMs forming dZ (Triton lowering)", jg.TileValues(ej, mj, yj, cj, GEMM.tile_n))):
+        row = dict(shape=(m, h, v), twin="jax", cfg=f"on load: {label}")
+        try:
+            jdx = jax.jit(lambda b, a=operand: jg.dx_gemm(a, b, jnp.bfloat16))
+            jacc = jax.jit(lambda b, c, a=operand: jg.dw_accumulate(a, b, c), donate_argnums=1)
+            state = [tuple(jax.dlpack.from_dlpack(p.clone()) for p in pair)]
+
+            def facc():
+                state[0] = jax.block_until_ready(jacc(xj, state[0]))
+
+            got = [_bits(jdx(wj)), *[_bits(p) for p in jacc(xj, tuple(jax.dlpack.from_dlpack(p.clone())
+                                                                          for p in pair))]]
+            row.update(dx_ms=best_ms(lambda: jdx(wj).block_until_ready()), acc_ms=best_ms(facc),
+                       bits=all(np.array_equal(a, b) for a, b in zip(got, ref)))
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+        rows.append(row)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _guarded(rows_of, n, h, v):
+    """rows_of(n, h, v), or one row with its error: the rows before it stay."""
+    try:
+        return rows_of(n, h, v)
+    except Exception as exc:  # noqa: BLE001
+        return [dict(shape=(n, h, v), cfg=rows_of.__name__, error=f"{type(exc).__name__}: {str(exc)[:600]}")]
+
+
 def _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, temperature=1.0, bias=None, cw=None):
     """The JAX twin's logits GEMM on Mosaic GPU (GEMM_MOSAIC) against fce_torch's default (GEMM) for the head's
     partials `spec`, a temperature, a bias and class weights `cw`: both times, and the bits of the tile values
@@ -176,7 +258,7 @@ def main():
     rows = []
     for n, h, v in shapes:
         if grads_only:
-            rows += grad_rows(n, h, v)
+            rows += grad_rows(n, h, v) + _guarded(on_load_rows, n, h, v)
             _save(out_dir, rows)  # a call stopped at its time limit keeps the shapes done
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -224,12 +306,15 @@ def main():
             rows.append(_mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, **extra))
             print(json.dumps(rows[-1]), flush=True)
         if not logits_only:
-            rows += grad_rows(n, h, v)
+            rows += grad_rows(n, h, v) + _guarded(on_load_rows, n, h, v)
         _save(out_dir, rows)
     print("\n| N,H,V | variant | torch ms | jax ms | torch TF/s | jax TF/s | bits e | bits parts |")
     for r in rows:
         if "impl" in r and "ms_dw" in r:
             print(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} / {r['ms_dw']:.3f} | | | | | |")
+        elif r.get("cfg", "").startswith("on load") and "error" not in r:
+            times = " ".join(f"{k[:-3]} {r[k]:.3f}" for k in ("ms", "dx_ms", "acc_ms") if k in r)
+            print(f"| {r['shape']} | {r['twin']} {r['cfg']} | {times} | | | | | {r.get('bits', '')} |")
         elif r.get("cfg", "").startswith("grad") and "error" not in r:
             print(f"| {r['shape']} | {r['twin']} {r['cfg']} | dx {r['dx_ms']:.3f} dw {r['dw_ms']:.3f} acc "
                   f"{r['acc_ms']:.3f} | | {r['tflops_dx']:.0f} / {r['tflops_dw']:.0f} | | {r['bits']} |")

@@ -11,6 +11,8 @@ Two kernels, the same bits (K ascending, never split):
   TMA cannot move (V or H not a multiple of 8); and the CPU interpreters' default (Mosaic GPU's interpret
   mode is slower; tests/test_fused_engine.py runs the Mosaic kernels there).
 """
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -22,14 +24,38 @@ from fce_core.plan import dx_slices, rows_fast
 
 from . import fastmath as fm
 from .launch import call, interpret_mode
+from .tile_dlogits import dz_on_load, row_coefficients
 from ..sums import pairwise_sum
 
 F32 = jnp.float32
 WRITE, ADD, PAIR, PAIR_LAST = 0, 1, 2, 3  # as fce_torch's; PAIR_LAST reads lo as an input and writes hi alone
 
 
-def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg, asm):
-    # refs: the inputs after a, b (C's planes updated in place, then the planes only read), then the outputs
+class TileValues(NamedTuple):
+    """fce_torch's `TileValues`: dZ [n, V] as the tile values `e`, formed on the GEMMs' operand load from the
+    tile maxima `m_tiles` [n, T] (tiles `tile_n` wide), the safe targets `y` and the head's `coef`."""
+    e: jax.Array
+    m_tiles: jax.Array
+    y: jax.Array
+    coef: dict
+    tile_n: int
+
+    @property
+    def shape(self):
+        return self.e.shape
+
+    def arrays(self):
+        """What the kernel reads beside e: m_tiles, y, lse, a, b, c."""
+        return self.m_tiles, self.y, *(self.coef[k] for k in ("lse", "a", "b", "c"))
+
+
+def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg, asm, on_load):
+    # refs: with `on_load` (a TileValues' (tile_n, dz_rows, V)) its arrays (m_tiles, y, lse, a, b, c) first; then
+    # the inputs after a, b (C's planes updated in place, then the planes only read), then the outputs
+    if on_load:
+        mt_ref, *coef_refs = refs[:6]
+        refs = refs[6:]
+        tile_n, dz_rows, vocab = on_load
     c_ref, lo_ref = (refs[-2], refs[-1]) if mode == PAIR else (refs[-1], refs[-2] if mode == PAIR_LAST else None)
     bm, bn, bk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     # program (tile, slice): the slice's K range [k_lo, k_hi) and its [m, n] plane of C
@@ -42,6 +68,8 @@ def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, prec
     row_ok = r0 + lax.iota(jnp.int32, bm) < m
     col_ok = c0 + lax.iota(jnp.int32, bn) < n
     rs, cs = pl.ds(r0, bm), pl.ds(c0, bn)
+    if on_load and not a_t:  # dZ's rows are the tile's: their coefficients once per tile
+        *coef, live = row_coefficients(coef_refs, rs, r0 + lax.iota(jnp.int32, bm) < dz_rows)
 
     def k_step(i, acc):
         k0 = k_lo + i * bk
@@ -49,9 +77,14 @@ def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, prec
         ks = pl.ds(k0, bk)
         if a_t:  # A = dZᵀ: a [bk, bm] block of dZ, contracted over its rows
             a = pltriton.load(a_ref.at[ks, rs], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            if on_load:  # dZ's rows are this step's K: their coefficients here
+                *k_coef, k_live = row_coefficients(coef_refs, ks, k0 + lax.iota(jnp.int32, bk) < dz_rows)
+                a = dz_on_load(a, mt_ref, ks, r0, k_coef, k_live, vocab, tile_n, asm)
             dims = (((0,), (0,)), ((), ()))
         else:
             a = pltriton.load(a_ref.at[rs, ks], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if on_load:
+                a = dz_on_load(a, mt_ref, rs, k0, coef, live, vocab, tile_n, asm)
             dims = (((1,), (0,)), ((), ()))
         b = pltriton.load(b_ref.at[ks, cs], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         return acc + lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
@@ -80,6 +113,11 @@ def tma_rows(arr):
     return arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16 == 0
 
 
+def forms_dz_on_load():
+    """fce_torch's `forms_dz_on_load` (the GPU's launch: GRAD_GEMM_MOSAIC's flag)."""
+    return (GRAD_GEMM_INTERPRETER if interpret_mode() else GRAD_GEMM_MOSAIC).dz_on_load
+
+
 def _config(a, b, outs=(), k_rows=None):
     """The default launch for the operands a, b and the outputs `outs`: Mosaic GPU for 16-bit operands where TMA
     can move every row (whole 16 bytes; an int8 lo plane's rows are H bytes); else the Triton lowering, as
@@ -89,6 +127,8 @@ def _config(a, b, outs=(), k_rows=None):
     did not run; fce_torch cuts its descriptors at K)."""
     if interpret_mode():
         return GRAD_GEMM_INTERPRETER
+    if isinstance(a, TileValues):  # no Mosaic GPU kernel forms dZ on its load yet
+        return GRAD_GEMM
     if jnp.dtype(a.dtype).itemsize != 2 or not all(o.size and tma_rows(o) for o in (a, b, *outs)):
         return GRAD_GEMM
     if k_rows is not None and k_rows < a.shape[0] and k_rows % GRAD_GEMM_MOSAIC.tile_k:
@@ -102,6 +142,13 @@ def _run(a, b, m, n, k, *, a_t, mode, outs, reads=(), first=False, precision=Non
     only reads (PAIR_LAST's lo): on Mosaic GPU with `cfg.mosaic`."""
     cfg = cfg or _config(a, b, [*outs, *reads], k if a_t else None)
     slice_k = pl.cdiv(pl.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
+    on_load, formed = None, ()
+    if isinstance(a, TileValues):
+        if cfg.mosaic:
+            raise ValueError("dZ formed on the load (TileValues) runs on the Triton lowering's GEMMs only")
+        if a.tile_n % (cfg.tile_m if a_t else cfg.tile_k):
+            raise ValueError(f"dZ formed on the load needs A's blocks inside the tiles of {a.tile_n} columns")
+        on_load, formed, a = (a.tile_n, k if a_t else m, a.shape[1]), a.arrays(), a.e  # no dZ past A's cut rows
     if cfg.mosaic:
         if jnp.dtype(a.dtype).itemsize != 2:
             raise ValueError(f"the Mosaic GPU GEMMs (GradGemmConfig.mosaic) take 16-bit operands, got {a.dtype}: "
@@ -115,9 +162,9 @@ def _run(a, b, m, n, k, *, a_t, mode, outs, reads=(), first=False, precision=Non
     shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
     res = call(_triton_kernel, out_shape=shapes, grid=(pl.cdiv(m, cfg.tile_m) * pl.cdiv(n, cfg.tile_n), slices),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-               input_output_aliases={2 + i: i for i in range(len(given))}, m=m, n=n, k=k, slice_k=slice_k,
-               a_t=a_t, mode=mode, first=first, precision=precision, cfg=cfg,
-               asm=not interpret_mode())(a, b, *given, *reads)
+               input_output_aliases={2 + len(formed) + i: i for i in range(len(given))}, m=m, n=n, k=k,
+               slice_k=slice_k, a_t=a_t, mode=mode, first=first, precision=precision, cfg=cfg,
+               asm=not interpret_mode(), on_load=on_load)(a, b, *formed, *given, *reads)
     return res if len(res) > 1 else res[0]
 
 

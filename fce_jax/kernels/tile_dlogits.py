@@ -17,6 +17,35 @@ from .logit_tiles import gemm_config
 F32 = jnp.float32
 
 
+def dz_terms(e, m_t, y, lse, a, b, cols, asm):
+    """fce_torch's `dz_terms`: p and a p + b [c == y] of a float32 block e [R, C] of one tile's values (m_t,
+    y, lse, a, b: [R, 1] / [R]; cols [C])."""
+    p = fm.mul(e, fm.ex2((m_t - lse) * LOG2E, asm), asm)
+    return p, fm.fma(a[:, None], p, jnp.where(cols[None, :] == y[:, None], b[:, None], 0.0), asm)
+
+
+def row_coefficients(refs, rows, row_ok):
+    """fce_torch's `row_coefficients`: the targets and lse, a, b, c of the rows `rows` (a slice; 0 where not
+    `row_ok`), and whether each has a gradient; `refs` (y, lse, a, b, c)."""
+    y, lse, a, b, c = (pltriton.load(ref.at[rows], mask=row_ok, other=0.0 if i else 0) for i, ref in enumerate(refs))
+    return y, lse, a, b, c, (a != 0.0) | (b != 0.0) | (c != 0.0)
+
+
+def dz_on_load(e, mt_ref, rows, c0, coef, live, vocab, tile_n, asm):
+    """fce_torch's `dz_on_load`: dZ of a block e [R, C] of tile values at the rows `rows` (a slice) and columns
+    c0 .. c0 + C (one tile), given their `row_coefficients` `coef` (y, lse, a, b, c) and `live`, in e's dtype."""
+    y, lse, a, b, c = coef
+    m_t = pltriton.load(mt_ref.at[rows, pl.ds(c0 // tile_n, 1)], mask=live[:, None], other=0.0)
+    cols = c0 + lax.iota(jnp.int32, e.shape[1])
+    _, dz = dz_terms(e.astype(F32), m_t, y, lse[:, None], a, b, cols, asm)
+    return jnp.where(live[:, None] & (cols < vocab)[None, :], dz + c[:, None], 0.0).astype(e.dtype)
+
+
+def supports_on_load(class_weights, coef, transform):
+    """fce_torch's `supports_on_load`."""
+    return class_weights is None and "d" not in coef and transform.softcap is None and not transform.has_temperature
+
+
 def _tile_dlogits_kernel(e_ref, mt_ref, y_ref, zy_ref, cw_ref, lse_ref, a_ref, b_ref, c_ref, d_ref, mu_ref,
                          row0_ref, dz_ref, *, n_rows, vocab, transform, has_cw, entropy, tile_n, asm):
     br = TILE_ROWS.block
@@ -28,14 +57,11 @@ def _tile_dlogits_kernel(e_ref, mt_ref, y_ref, zy_ref, cw_ref, lse_ref, a_ref, b
     mask = row_ok[:, None] & col_ok[None, :]
     rs = pl.ds(r0, br)
     block = (pl.ds(row0_ref[0] + r0, br), pl.ds(t * tile_n, tile_n))
-    y = pltriton.load(y_ref.at[rs], mask=row_ok, other=0)
-    lse, a, b, c = (pltriton.load(ref.at[rs], mask=row_ok, other=0.0) for ref in (lse_ref, a_ref, b_ref, c_ref))
-    live = (a != 0.0) | (b != 0.0) | (c != 0.0)
+    y, lse, a, b, c, live = row_coefficients((y_ref, lse_ref, a_ref, b_ref, c_ref), rs, row_ok)
     m_t = pltriton.load(mt_ref.at[rs, pl.ds(t, 1)], mask=row_ok[:, None], other=0.0)
     e = pltriton.load(e_ref.at[block], mask=mask, other=0.0).astype(F32)
-    p = fm.mul(e, fm.ex2((m_t - lse[:, None]) * LOG2E, asm), asm)
+    p, dz = dz_terms(e, m_t, y, lse[:, None], a, b, cols, asm)
     is_y = cols[None, :] == y[:, None]
-    dz = fm.fma(a[:, None], p, jnp.where(is_y, b[:, None], 0.0), asm)
     if has_cw:
         dz = fm.fma(c[:, None], pltriton.load(cw_ref.at[pl.ds(t * tile_n, tile_n)], mask=col_ok, other=0.0)[None, :],
                     dz, asm)

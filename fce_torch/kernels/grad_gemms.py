@@ -8,14 +8,18 @@ costs 4: each chunk reads and writes less, and the planner gives the byte it sav
 (`fce_core.plan.fused_rows`). Each step adds at most 2**-15 relative error (hi's ulp / 256, where lo is
 clipped), far below the final rounding. Twin: fce_jax/kernels/grad_gemms.py.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_TALL
+from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH_TALL
 from fce_core.plan import dx_slices, gemm_items, rows_fast, waves
 
 from . import fastmath as fm
+from .dlogits import row_coefficients
+from .tile_dlogits import dz_on_load
 from .tma import ELEMENT_TYPES, column_halves, descriptors, processors, programs, stages
 from ..sums import pairwise_sum
 
@@ -23,6 +27,29 @@ F32 = torch.float32
 # The epilogues: C = acc in C's dtype; C (float32) += acc; the (hi, lo) pair; its last update, hi alone (lo read,
 # not written: after the last product only hi, the rounded sum, is dW).
 WRITE, ADD, PAIR, PAIR_LAST = 0, 1, 2, 3
+
+
+class TileValues(NamedTuple):
+    """dZ [n, V] as the logits GEMM's tile values `e` and what forms dZ from them on the GEMMs' operand load
+    (`tile_dlogits.dz_on_load`): the tile maxima `m_tiles` [n, T] of tiles `tile_n` wide, the safe targets `y`
+    and the head's `coef` (lse, a, b, c; [n] each). The GEMMs then read no dZ array."""
+    e: torch.Tensor
+    m_tiles: torch.Tensor
+    y: torch.Tensor
+    coef: dict
+    tile_n: int
+
+    @property
+    def shape(self):
+        return self.e.shape
+
+    @property
+    def device(self):
+        return self.e.device
+
+    def arrays(self):
+        """What the kernel reads beside e: m_tiles, y, lse, a, b, c."""
+        return self.m_tiles, self.y, *(self.coef[k] for k in ("lse", "a", "b", "c"))
 
 
 @triton.jit
@@ -80,18 +107,21 @@ def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr,
 
 @triton.jit
 def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
+                 mt_ptr, y_ptr, lse_ptr, ca_ptr, cb_ptr, cc_ptr, dz_rows, V, n_tiles,
                  MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
                  C_DESC: tl.constexpr, C_DT: tl.constexpr, PLANES: tl.constexpr,
                  ROWS_FAST: tl.constexpr, FLATTEN: tl.constexpr, SLICED: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ON_LOAD: tl.constexpr, TILE_N: tl.constexpr, ASM: tl.constexpr):
     # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]; c_ptr / lo_ptr
     # when C_DESC (of C [n_slices, M, N] when PLANES). A program computes the (tile, slice) items pid, pid + P,
     # ... (P programs: one per item, or persistent); an item is its slice's K range [k_lo, k_hi) into the
     # slice's [M, N] plane of C; tiles walk rows or columns fastest as `fce_core.plan.rows_fast` says. The
     # epilogue runs on the tile's two column halves: a pointer tensor of the whole tile would not fit in the
     # registers next to the accumulator (ptxas spilled kilobytes per thread), nor would a descriptor store's
-    # staging of a float32 tile fit in shared memory next to the pipeline.
+    # staging of a float32 tile fit in shared memory next to the pipeline. ON_LOAD: A's blocks are tile values
+    # (dz_rows rows, V columns, n_tiles tiles; mt_ptr .. cc_ptr as `TileValues.arrays`), turned into dZ in
+    # registers before their product: A = dZ's rows (dX) or, with A_T, its columns (dW), each block in one tile.
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     n_out = n_m * n_n
@@ -111,11 +141,15 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N
         rows64 = (r0 + tl.arange(0, BM)).to(tl.int64)
         cols = c0 + tl.arange(0, BN)
         ks = tl.arange(0, BK)
+        if ON_LOAD and not A_T:  # dZ's rows are the tile's: their coefficients once per tile
+            z_rows = r0 + tl.arange(0, BM)
+            y, lse, ca, cb, cc, live = row_coefficients(y_ptr, lse_ptr, ca_ptr, cb_ptr, cc_ptr, z_rows,
+                                                        z_rows < dz_rows)
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             if TMA:  # a slice's K range is whole tile_k steps: a load past k_hi is past K, zeros
                 if A_T:
-                    a = tl.trans(a_ptr.load([k0, r0]))
+                    a = a_ptr.load([k0, r0])
                 else:
                     a = a_ptr.load([r0, k0])
                 b = b_ptr.load([k0, c0])
@@ -123,10 +157,24 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N
                 k = k0 + ks
                 k_ok = (k < k_hi) | EVEN_K
                 k64 = k.to(tl.int64)
-                a = tl.load(a_ptr + rows64[:, None] * s_am + k64[None, :] * s_ak,
-                            mask=(rows64 < M)[:, None] & k_ok[None, :], other=0.0)
+                if A_T:  # dZᵀ's block as dZ's [BK, BM]
+                    a = tl.load(a_ptr + k64[:, None] * s_ak + rows64[None, :] * s_am,
+                                mask=k_ok[:, None] & (rows64 < M)[None, :], other=0.0)
+                else:
+                    a = tl.load(a_ptr + rows64[:, None] * s_am + k64[None, :] * s_ak,
+                                mask=(rows64 < M)[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptr + k64[:, None] * s_bk + cols[None, :] * s_bn,
                             mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
+            if ON_LOAD:
+                if A_T:  # dZ's rows are this step's K: their coefficients here
+                    z_rows = k0 + ks
+                    y, lse, ca, cb, cc, live = row_coefficients(y_ptr, lse_ptr, ca_ptr, cb_ptr, cc_ptr, z_rows,
+                                                                z_rows < dz_rows)
+                    a = dz_on_load(a, mt_ptr, z_rows, r0, n_tiles, y, lse, ca, cb, cc, live, V, TILE_N, ASM)
+                else:
+                    a = dz_on_load(a, mt_ptr, z_rows, k0, n_tiles, y, lse, ca, cb, cc, live, V, TILE_N, ASM)
+            if A_T:
+                a = tl.trans(a)
             acc += fm.dot(a, b, PRECISION, ASM)
         plane = pid // n_out
         left, right = column_halves(acc)
@@ -139,20 +187,28 @@ def _config():
     return GRAD_GEMM_TORCH if fm.ASM else GRAD_GEMM_INTERPRETER_TORCH
 
 
-def _tall_where(cost):
-    """GRAD_GEMM_TORCH (128x256 tiles), or GRAD_GEMM_TORCH_TALL (256x128) where `cost(config)` is lower; the
-    interpreter's tiles off the GPU."""
+def forms_dz_on_load():
+    """Whether the fused engine hands these GEMMs `TileValues` where the head allows (`GradGemmConfig.dz_on_load`
+    of the GPU's or the interpreter's launch)."""
+    return _config().dz_on_load
+
+
+def _tall_where(cost, dz=None):
+    """GRAD_GEMM_TORCH (128x256 tiles), or GRAD_GEMM_TORCH_TALL (256x128) where `cost(config)` is lower; for dZ
+    formed on the load (`dz` is `TileValues`) GRAD_GEMM_TORCH_ON_LOAD; the interpreter's tiles off the GPU."""
     if not fm.ASM:
         return GRAD_GEMM_INTERPRETER_TORCH
+    if isinstance(dz, TileValues):
+        return GRAD_GEMM_TORCH_ON_LOAD
     return GRAD_GEMM_TORCH_TALL if cost(GRAD_GEMM_TORCH_TALL) < cost(GRAD_GEMM_TORCH) else GRAD_GEMM_TORCH
 
 
-def _dx_config(n, hidden, slices, device):
+def _dx_config(n, hidden, slices, device, dz=None):
     """dX's launch: the tiles that take fewer rounds of the multiprocessors (H = 640: 3 column tiles of 256
     make 144 items at 1024 rows, two rounds of 132 programs, the second nearly empty; 256x128 makes 120). The
     slices are the same (NUMERICS fields)."""
     sms = processors(device)
-    return _tall_where(lambda c: waves(n, hidden, slices, c.tile_m, c.tile_n, sms))
+    return _tall_where(lambda c: waves(n, hidden, slices, c.tile_m, c.tile_n, sms), dz)
 
 
 def flattened(cfg, mode):
@@ -167,10 +223,19 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     `mode`: A [m, k] is `a`'s first m rows, or `a`ᵀ when `a_t` (`a`'s first k rows); B [k, n] is `b`'s first k
     rows; all with unit column strides, C's rows contiguous. The operands are cut to those rows (views): a
     descriptor's loads take whole tiles, bounded by its array, and the rows past them may hold no values (a
-    kept dZ's rows that did not run)."""
+    kept dZ's rows that did not run). `a` may be `TileValues`: dZ formed on the load, each A block then inside
+    one of its tiles."""
     cfg = cfg or _config()
     if m == 0 or n == 0:
         return
+    formed = isinstance(a, TileValues)
+    if formed:
+        if a.tile_n % (cfg.tile_m if a_t else cfg.tile_k):
+            raise ValueError(f"dZ formed on the load needs A's blocks inside the tiles of {a.tile_n} columns")
+        values = (*a.arrays(), k if a_t else m, a.shape[1], a.m_tiles.shape[1])  # no dZ past A's cut rows
+        tile_n, a = a.tile_n, a.e
+    else:
+        values, tile_n = (b,) * 6 + (0, 0, 0), 1
     a, b = a[:k] if a_t else a[:m], b[:k]
     slice_k = triton.cdiv(triton.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
@@ -180,11 +245,12 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     outs, c_desc = descriptors([(o, half) for o in outs], cfg)
     a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
     _gemm_kernel[(programs(gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg, a.device),)](
-        aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], n, m, n, k, slice_k, slices, MODE=mode,
+        aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], n, m, n, k, slice_k, slices, *values, MODE=mode,
         FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
         TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
         PLANES=c.dim() == 3, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
-        FLATTEN=flattened(cfg, mode), SLICED=slices > 1, ASM=fm.ASM, num_warps=cfg.num_warps,
+        FLATTEN=flattened(cfg, mode), SLICED=slices > 1, ON_LOAD=formed, TILE_N=tile_n, ASM=fm.ASM,
+        num_warps=cfg.num_warps,
         num_stages=stages(cfg, a.element_size()))
 
 
@@ -197,7 +263,7 @@ def dx_gemm(dz, w, out, precision="ieee", cfg=None, rows=None):
     (n, vocab), hidden = dz.shape, w.shape[1]
     slices = dx_slices(n, hidden, vocab, cfg or _config())
     m = n if rows is None else rows
-    cfg = cfg or _dx_config(m, hidden, slices, dz.device)
+    cfg = cfg or _dx_config(m, hidden, slices, dz.device, dz)
     planes = out[:m] if slices == 1 else torch.empty(slices, m, hidden, device=dz.device, dtype=F32)
     _run(dz, False, w, planes, None, m, hidden, vocab, WRITE, precision=precision, slices=slices, cfg=cfg)
     if slices > 1:
@@ -207,18 +273,18 @@ def dx_gemm(dz, w, out, precision="ieee", cfg=None, rows=None):
     return out
 
 
-def _dw_config(hidden):
+def _dw_config(hidden, dz=None):
     """dW's launch: the tiles whose columns pad H less (H = 640: 3 column tiles of 256, the last half empty,
     against 5 of 128; the (hi, lo) accumulation of 512 rows 0.94 -> 0.88 ms, at H = 896 0.79 -> 0.76,
     bench/results/nvidia-h200/two-programs-per-sm/). Speed only: the tiles do not touch the bits."""
-    return _tall_where(lambda c: -(-hidden // c.tile_n) * c.tile_n - hidden)
+    return _tall_where(lambda c: -(-hidden // c.tile_n) * c.tile_n - hidden, dz)
 
 
 def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None, rows=None):
     """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`, K the
     first `rows` rows (default all)."""
     _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0] if rows is None else rows, mode, first=first,
-         precision=precision, cfg=cfg or _dw_config(x.shape[1]))
+         precision=precision, cfg=cfg or _dw_config(x.shape[1], dz))
 
 
 def dw_gemm(dz, x, dtype, precision="ieee", cfg=None, rows=None):

@@ -17,6 +17,28 @@ from .logit_tiles import gemm_config
 
 
 @triton.jit
+def dz_terms(e, m_t, y, lse, a, b, cols, ASM: tl.constexpr):
+    """p = e * ex2((m_t - lse) log2 e) and the loss terms a p + b [c == y] of a block e [R, C] (float32) of one
+    tile's values, given its rows' tile max, target, lse, a and b ([R]) and its columns [C]: the part of dZ
+    that this pass and the gradient GEMMs' operand load (`grad_gemms`, `dz_on_load`) compute alike."""
+    p = fm.mul(e, fm.ex2((m_t - lse) * LOG2E, ASM)[:, None], ASM)
+    return p, fm.fma(a[:, None], p, tl.where(cols[None, :] == y[:, None], b[:, None], 0.0), ASM)
+
+
+@triton.jit
+def dz_on_load(e, mt_ptr, rows, c0, n_tiles, y, lse, a, b, c, live, V, TILE_N: tl.constexpr, ASM: tl.constexpr):
+    """dZ of a block e [R, C] of tile values (any dtype, returned in it) at `rows` [R] and columns c0 .. c0 + C
+    (inside one tile of TILE_N), given the rows' `row_coefficients` (0 past the rows), for the heads that
+    `supports_on_load` admits: a p + b [c == y] + c, 0 in rows without a gradient and in columns past V, the
+    values this pass stores (its columns past V are never read)."""
+    m_t = tl.load(mt_ptr + rows.to(tl.int64) * n_tiles + c0 // TILE_N, mask=live, other=0.0)
+    cols = c0 + tl.arange(0, e.shape[1])
+    _p, dz = dz_terms(e.to(tl.float32), m_t, y, lse, a, b, cols, ASM)
+    dz = tl.where(live[:, None] & (cols < V)[None, :], dz + c[:, None], 0.0)
+    return fm.to_dtype(dz, e.dtype, ASM)
+
+
+@triton.jit
 def _tile_dlogits_kernel(e_ptr, stride_e, mt_ptr, y_ptr, zy_ptr, cw_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, d_ptr,
                          mu_ptr, n_rows, V, n_tiles, softcap, temperature,
                          HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CW: tl.constexpr,
@@ -32,9 +54,8 @@ def _tile_dlogits_kernel(e_ptr, stride_e, mt_ptr, y_ptr, zy_ptr, cw_ptr, lse_ptr
     m_t = tl.load(mt_ptr + rows64 * n_tiles + t, mask=row_ok, other=0.0)
     ptrs = e_ptr + rows64[:, None] * stride_e + cols[None, :]
     e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    p = fm.mul(e, fm.ex2((m_t - lse) * LOG2E, ASM)[:, None], ASM)
+    p, dz = dz_terms(e, m_t, y, lse, a, b, cols, ASM)
     is_y = cols[None, :] == y[:, None]
-    dz = fm.fma(a[:, None], p, tl.where(is_y, b[:, None], 0.0), ASM)
     if HAS_CW:
         dz = fm.fma(c[:, None], tl.load(cw_ptr + cols, mask=col_ok, other=0.0)[None, :], dz, ASM)
     else:
@@ -57,6 +78,12 @@ def _tile_dlogits_kernel(e_ptr, stride_e, mt_ptr, y_ptr, zy_ptr, cw_ptr, lse_ptr
         dz = fm.div(dz, temperature, ASM)
     dz = tl.where(live[:, None], dz, 0.0)
     tl.store(ptrs, fm.to_dtype(dz, e_ptr.dtype.element_ty, ASM), mask=mask)
+
+
+def supports_on_load(class_weights, coef, transform):
+    """Whether the gradient GEMMs can form this dZ on their operand load (`dz_on_load`): the loss terms and
+    label smoothing's c without class weights, no entropy term and no logit transform."""
+    return class_weights is None and "d" not in coef and transform.softcap is None and not transform.has_temperature
 
 
 def tile_dlogits(e, m_tiles, y, zy, class_weights, coef, *, transform, cfg=None):
