@@ -79,6 +79,7 @@ class _Sweep:
     comm: object = None
     engine: str = "library"
     tile_weights: object = None
+    tracing: bool = False  # the sweep records its first chunk's stages (`trace`)
 
     def chunk(self, acc, x_c, inputs, r0, trace, r0_multiple=1):
         """One chunk: (acc, out, dx_c). acc is (dW accumulator or None, db) without kept dZ, else the group's
@@ -133,8 +134,9 @@ class _Sweep:
             trace["tiles"] = e[rows]
         if not need:
             return acc, out, None
-        if (not self.keep and forms_dz_on_load() and not self.grads[2] and trace is None and comm is None
-                and supports_on_load(self.class_weights, out, self.transform)):
+        if self.forms_on_load(out):
+            if self.keep:  # the kept rows stay tile values: `_kept_dz` forms dZ in the group's GEMMs
+                return e, {**out, KEPT_TILES: parts["m"]}, None
             dx_c, dw, db = self.add(TileValues(e, parts["m"], local, out, gemm_config().tile_n), x_c, *acc)
             return (dw, db), out, dx_c
         dz = tile_dlogits(e, parts["m"], local, stats["zy"], self.class_weights, out, transform=self.transform,
@@ -145,6 +147,11 @@ class _Sweep:
             return dz, out, None
         dx_c, dw, db = self.add(dz, x_c, *acc)
         return (dw, db), out, dx_c
+
+    def forms_on_load(self, out):
+        """Whether the GEMMs form this chunk's dZ on their operand load: fce_torch's `_FusedChunkRunner` rule."""
+        return (forms_dz_on_load() and not self.grads[2] and not self.tracing and self.comm is None
+                and supports_on_load(self.class_weights, out, self.transform))
 
     def _dx(self, product, dtype, scale=None):
         """dX from product(out_dtype) = dZ W: in `dtype`, or from float32: vocab-parallel the shards' parts
@@ -205,6 +212,19 @@ def _after(operand, deps):
     return lax.optimization_barrier((operand, deps))[0]
 
 
+KEPT_TILES = "kept tile maxima"  # a chunk's output where its kept rows stay tile values, popped by `_kept_dz`
+
+
+def _kept_dz(dz, outputs, y):
+    """A group's kept dZ for its GEMMs, given its chunks' outputs (in the sweep's order) and targets: where the
+    chunks left tile values (their tile maxima in `outputs`, popped), `TileValues` over them, as fce_torch's
+    `kept_dz`."""
+    m_tiles = outputs.pop(KEPT_TILES, None)
+    if m_tiles is None:
+        return dz
+    return TileValues(dz, m_tiles, y, {k: outputs[k] for k in ("lse", "a", "b", "c")}, gemm_config().tile_n)
+
+
 def _kept(acc):
     """The keywords that write a chunk's rows into the kept dZ: `into` the buffer, or before the first chunk
     (`acc` its ShapeDtypeStruct) `out_rows`, so that the first chunk's kernel makes it without zeros up front
@@ -261,6 +281,8 @@ def _group_pass(sw, plan, x_g, inputs_g, caller_inputs, n_run, dw, db, trace, fi
     if sw.keep and order is not None:  # the GEMMs over the kept dZ take all rows valid-first
         x_g = jnp.take(x_g, order, axis=0)
     outputs, dx, acc = _chunks(sw, plan, x_g, inputs_g, n_run, acc, trace, None if sw.keep else order)
+    if sw.keep:
+        acc = _kept_dz(acc, outputs, inputs_g["y"])
     first, n_chunks = layout(size, plan.rows)
 
     def rows_run(n):  # the rows of a group's first n chunks
@@ -331,7 +353,7 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
     if engine == "fused" and class_weights is not None:
         weights = tile_weights(arrays, class_weights, gemm_config().tile_n)
     sw = _Sweep(w, bias, class_weights, head, transform, grads, plan.keep_dz and need, plan.single_product(need),
-                x.dtype, comm, engine, weights)
+                x.dtype, comm, engine, weights, trace is not None)
     db = zeros_like_shard((w.shape[0],), F32, w) if grads[2] else None
 
     def valid_first_pass(x_g, inputs_g, dw, db, trace, whole=False, last=False):

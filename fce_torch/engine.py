@@ -214,7 +214,8 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         if keep:
             scale = out.get("scale")
             scale = scale if scale is None or group_order is None else scale[group_order]
-            acc.add(dz_rows, g0, g1, acc.rows(g0, g1), ran=chunks[-1][1], last=g == len(groups) - 1, scale=scale)
+            dz = run.kept_dz(dz_rows, pieces, inputs["y"][g0:g0 + chunks[-1][1]])
+            acc.add(dz, g0, g1, acc.rows(g0, g1), ran=chunks[-1][1], last=g == len(groups) - 1, scale=scale)
             dz_rows = None  # released before the next group allocates its own
         outs.append(out)
     if check is not None:
@@ -238,6 +239,11 @@ class _ChunkRunner:
         self.w, self.bias, self.cw, self.head, self.transform = w, bias, class_weights, head, transform
         self.need_grads = any(grads)
         self.trace, self.comm = trace, comm
+
+    def kept_dz(self, dz_rows, pieces, y):
+        """A group's kept dZ for its GEMMs, given its chunks' head outputs `pieces` and targets `y` (the
+        rows that ran, in the sweep's order): the rows themselves (the fused engine's may be tile values)."""
+        return dz_rows
 
     def __call__(self, x_c, inputs, add, dz_rows):
         z = gemm.mm(x_c, self.w.t(), F32)
@@ -265,15 +271,24 @@ class _ChunkRunner:
 class _FusedChunkRunner(_ChunkRunner):
     """The same chunk on the fused engine: the tile values take the kept rows (or a new [rows, V] array in the
     input dtype) and dZ overwrites them, or, where the GEMMs form it on their operand load
-    (`grad_gemms.forms_dz_on_load`, a head that `tile_dlogits.supports_on_load` admits, the chunk's own GEMMs
-    without db), the GEMMs take the tile values as they are. Vocab-parallel, the target logit is the owner
-    shard's and the shards' statistics are merged, as in `_ChunkRunner`."""
+    (`grad_gemms.forms_dz_on_load`, a head that `tile_dlogits.supports_on_load` admits, no db), the GEMMs take
+    the tile values as they are: the chunk's own, or a group's kept rows (`kept_dz`). Vocab-parallel, the
+    target logit is the owner shard's and the shards' statistics are merged, as in `_ChunkRunner`."""
 
     def __init__(self, w, bias, class_weights, head, transform, grads, trace, comm):
         super().__init__(w, bias, class_weights, head, transform, grads, trace, comm)
         self.tile_weights = None if class_weights is None else tile_weights(arrays, class_weights,
                                                                               gemm_config().tile_n)
         self.on_load = forms_dz_on_load() and not grads[2] and trace is None and comm is None
+        self.kept_tiles = []  # with kept dZ formed on the load: the group's chunks' tile maxima so far
+
+    def kept_dz(self, dz_rows, pieces, y):
+        """`_ChunkRunner.kept_dz`: where the chunks left tile values (`kept_tiles`), `TileValues` over them."""
+        if not self.kept_tiles:
+            return dz_rows
+        m_tiles, self.kept_tiles = torch.cat(self.kept_tiles), []
+        coef = {k: torch.cat([p[k] for p in pieces]) for k in ("lse", "a", "b", "c")}
+        return TileValues(dz_rows, m_tiles, y, coef, gemm_config().tile_n)
 
     def __call__(self, x_c, inputs, add, dz_rows):
         y, vocab, comm = inputs["y"], self.w.shape[0], self.comm
@@ -290,8 +305,11 @@ class _FusedChunkRunner(_ChunkRunner):
         if trace is not None and e is not None:
             trace["tiles"] = e.clone()
         if self.need_grads:
-            if add is not None and self.on_load and supports_on_load(self.cw, out, self.transform):
-                add[0].add(TileValues(e, parts["m"], local, out, gemm_config().tile_n), add[1], add[2], x_c)
+            if self.on_load and supports_on_load(self.cw, out, self.transform):
+                if add is None:  # the kept rows stay tile values: `kept_dz` forms dZ in the group's GEMMs
+                    self.kept_tiles.append(parts["m"])
+                else:
+                    add[0].add(TileValues(e, parts["m"], local, out, gemm_config().tile_n), add[1], add[2], x_c)
                 return out
             tile_dlogits(e, parts["m"], local, stats["zy"], self.cw, out, transform=self.transform)
             del parts, stats  # the [rows, tiles] partials are free before the dX planes and dW take memory

@@ -87,6 +87,21 @@ def test_fused_engine_against_reference(twin, dtype, chunk_rows):
         assert not np.array_equal(out["dw"], library["dw"])
 
 
+@pytest.mark.parametrize("twin", [TORCH, JAX], ids=["torch", "jax"])
+@pytest.mark.parametrize("chunk_rows", [None, 10])
+def test_fused_engine_forms_dz_on_load(twin, monkeypatch, chunk_rows):
+    """engine="fused" with dZ formed on the GEMMs' load (`GradGemmConfig.dz_on_load`): the bits of the engine
+    that writes dZ, over the kept dZ of one group and of groups of one pair (each scaled in the GEMMs)."""
+    from test_fused_engine import _with_and_without_on_load
+
+    x, w, y, _ = make(pairs=3, seed=7, dtype=torch.bfloat16)
+    runs = _with_and_without_on_load(twin, monkeypatch, True, lambda: twin.cpo(
+        x, w, y, fresh=True, chunk_rows=chunk_rows, engine="fused", label_smoothing=0.1, alpha=0.5))
+    for key, v in runs[0].items():
+        if v is not None:
+            assert np.array_equal(np.asarray(v).view(np.uint64), np.asarray(runs[1][key]).view(np.uint64)), key
+
+
 @pytest.mark.parametrize("twin", ["torch", "jax"])
 def test_unknown_engine_raises(twin):
     mod, conv = (fce_torch, torch.as_tensor) if twin == "torch" else (fce_jax, JAX.array)

@@ -533,31 +533,49 @@ def test_grad_gemms_form_dz_on_load(name, dtype):
             assert np.array_equal(a, b), (twin, i)
 
 
+ON_LOAD_CASES = {  # id: (case, whether the GEMMs form its dZ on their load, whether its plan keeps dZ)
+    "mean_ignored_rows": (Case("onload", (70,), 32, 203, "bfloat16", ignore_frac=0.3, seed=150), True, False),
+    "sum_smoothing_z_loss": (Case("onloadls", (70,), 32, 256, "bfloat16", reduction="sum", label_smoothing=0.1,
+                                  z_loss=1e-3, seed=151), True, False),
+    "kept_dz_ignored_rows": (Case("onloadkept", (70,), 256, 203, "bfloat16", ignore_frac=0.3, seed=153), True,
+                             True),
+    "class_weights": (Case("onloadcw", (70,), 32, 203, "bfloat16", class_weights=True, seed=152), False, False),
+    "bias_grad": (Case("onloadb", (70,), 32, 203, "bfloat16", bias=True, seed=154), False, False),
+}
+
+
 @each_twin
-@pytest.mark.parametrize("name, on_load", [("mean_ignored_rows", True), ("sum_smoothing_z_loss", True),
-                                           ("class_weights", False)])
-def test_fused_engine_forms_dz_on_load(twin, monkeypatch, name, on_load):
+@pytest.mark.parametrize("name", list(ON_LOAD_CASES))
+def test_fused_engine_forms_dz_on_load(twin, monkeypatch, name):
     """The fused engine with `GradGemmConfig.dz_on_load` gives the bits of the engine that writes dZ, over
-    several chunks: the GEMMs take the tile values (no dZ pass) where the head admits it
-    (`tile_dlogits.supports_on_load`; not with class weights)."""
+    several chunks, per chunk and over a kept dZ with rows that did not run: the GEMMs take the tile values
+    (no dZ pass) where the head admits it (`tile_dlogits.supports_on_load`; not with class weights) and no db
+    is asked for."""
+    case, forms, kept = ON_LOAD_CASES[name]
+    case = _fused(case)
+    assert plan_rows(70, case.h, case.v, ITEMSIZE[case.dtype], need_grads=True, requested=32,
+                     engine="fused").keep_dz == kept
+    inp = make_inputs(case)
+    runs = _with_and_without_on_load(twin, monkeypatch, forms,
+                                      lambda: twin.run(inp, case.options(), chunk_rows=32, fresh=True))
+    for key, v in runs[0].items():
+        if v is not None:
+            assert np.array_equal(twin.bits(v), twin.bits(runs[1][key])), key
+
+
+def _with_and_without_on_load(twin, monkeypatch, forms, run):
+    """run() with the twin's engine writing dZ, then forming it on the GEMMs' load; asserts that the second
+    took the tile values exactly when `forms`."""
     import importlib
     engine = importlib.import_module(f"fce_{twin.name}.engine")
-    case = {"mean_ignored_rows": Case("onload", (70,), 32, 203, "bfloat16", ignore_frac=0.3, seed=150),
-            "sum_smoothing_z_loss": Case("onloadls", (70,), 32, 256, "bfloat16", reduction="sum",
-                                         label_smoothing=0.1, z_loss=1e-3, seed=151),
-            "class_weights": Case("onloadcw", (70,), 32, 203, "bfloat16", class_weights=True, seed=152)}[name]
-    case = _fused(case)
-    inp = make_inputs(case)
     runs, formed = [], []
     for on in (False, True):
         monkeypatch.setattr(engine, "forms_dz_on_load", lambda on=on: on)
         monkeypatch.setattr(engine, "TileValues", functools.partial(_counted, formed, engine.TileValues))
-        runs.append(twin.run(inp, case.options(), chunk_rows=32, fresh=True))
+        runs.append(run())
         monkeypatch.undo()
-        assert bool(formed) == (on and on_load)
-    for key, v in runs[0].items():
-        if v is not None:
-            assert np.array_equal(twin.bits(v), twin.bits(runs[1][key])), key
+        assert bool(formed) == (on and forms)
+    return runs
 
 
 def _counted(calls, make, *args):
