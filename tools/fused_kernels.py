@@ -136,7 +136,7 @@ def on_load_rows(n, h, v):
     out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
     ref = [_bits(tg.dx_gemm(dz, w, out).clone()),
            *[_bits(p) for p in tg.dw_accumulate(dz, x, tuple(p.clone() for p in pair))]]
-    tv = tg.TileValues(e, parts["m"], y, coef, GEMM.tile_n)
+    tv = tg.TileValues(e, parts["m"], y, coef, tt.gemm_config().tile_n)
     scratch = e.clone()
     rows = [dict(shape=(m, h, v), twin="torch", cfg="on load: dZ pass", ms=best_ms(
         lambda: tile_dlogits(scratch, parts["m"], y, stats["zy"], None, coef, transform=Transform())))]
@@ -161,20 +161,22 @@ def on_load_rows(n, h, v):
     jpass = jax.jit(lambda a: jax_tile_dlogits(a, mj, yj, zyj, None, cj, transform=Transform()))
     rows.append(dict(shape=(m, h, v), twin="jax", cfg="on load: dZ pass",
                      ms=best_ms(lambda: jpass(ej).block_until_ready())))
-    for label, operand in (("GEMMs over dZ (default launches)", dzj),
-                           ("GEMMs forming dZ (Triton lowering)", jg.TileValues(ej, mj, yj, cj, GEMM.tile_n))):
+    # the operand's arrays go in as arguments (a jitted closure would hold them as constants), its form built inside
+    for label, arrays, operand in (("GEMMs over dZ (default launches)", (dzj,), lambda a: a),
+                                   ("GEMMs forming dZ (Triton lowering)", (ej, mj, yj, cj),
+                                    lambda *a: jg.TileValues(*a, tt.gemm_config().tile_n))):
         row = dict(shape=(m, h, v), twin="jax", cfg=f"on load: {label}")
         try:
-            jdx = jax.jit(lambda b, a=operand: jg.dx_gemm(a, b, jnp.bfloat16))
-            jacc = jax.jit(lambda b, c, a=operand: jg.dw_accumulate(a, b, c), donate_argnums=1)
+            jdx = jax.jit(lambda a, b, form=operand: jg.dx_gemm(form(*a), b, jnp.bfloat16))
+            jacc = jax.jit(lambda a, b, c, form=operand: jg.dw_accumulate(form(*a), b, c), donate_argnums=2)
             state = [tuple(jax.dlpack.from_dlpack(p.clone()) for p in pair)]
 
-            def facc():
-                state[0] = jax.block_until_ready(jacc(xj, state[0]))
+            def facc(a=arrays, j=jacc):
+                state[0] = jax.block_until_ready(j(a, xj, state[0]))
 
-            got = [_bits(jdx(wj)), *[_bits(p) for p in jacc(xj, tuple(jax.dlpack.from_dlpack(p.clone())
-                                                                          for p in pair))]]
-            row.update(dx_ms=best_ms(lambda: jdx(wj).block_until_ready()), acc_ms=best_ms(facc),
+            got = [_bits(jdx(arrays, wj)), *[_bits(p) for p in jacc(arrays, xj, tuple(
+                jax.dlpack.from_dlpack(p.clone()) for p in pair))]]
+            row.update(dx_ms=best_ms(lambda: jdx(arrays, wj).block_until_ready()), acc_ms=best_ms(facc),
                        bits=all(np.array_equal(a, b) for a, b in zip(got, ref)))
         except Exception as exc:  # noqa: BLE001
             row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
