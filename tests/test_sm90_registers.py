@@ -100,16 +100,19 @@ def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False, on_load=
     return (_compiled if compiled else _spilled)(grad_gemms._gemm_kernel, sig, consts)
 
 
-@pytest.mark.parametrize("store", [True, False])
-def test_logits_gemm_epilogue_does_not_spill(store):
-    assert _in_compiler("logits", store) == 0
+@pytest.mark.parametrize("store, q, flatten", [(True, False, False), (False, False, False), (True, True, False),
+                                               (True, False, True), (True, True, True)])
+def test_logits_gemm_epilogue_does_not_spill(store, q, flatten):
+    """The statistics epilogue, plain and with smoothing's q and the entropy's pz (taken a half tile at a time),
+    in the default launch and flattened."""
+    assert _in_compiler("logits", store, q, False, flatten) == 0
 
 
 def test_logits_gemm_epilogue_sums_rows_in_registers():
     """The row sums' pairwise tree in the wgmma layout: its pairs four and eight columns wide lie in other lanes
     of the warp, and warp shuffles add them. Added as splits, each sum's tile went through shared memory in 32
     rounds of two barriers (this kernel, with q and pz: 211 barriers and 96 vector loads from shared memory;
-    24 and 0 now)."""
+    27 and 0 now)."""
     barriers, shared_loads = _in_compiler("logits_epilogue")
     assert shared_loads == 0 and barriers < 32
 
@@ -141,7 +144,7 @@ def _logits_epilogue():
     return ptx.count("bar.sync"), ptx.count("ld.shared.v4")
 
 
-def _logits(store, q=False, compiled=False):
+def _logits(store, q=False, compiled=False, flatten=False):
     from fce_torch.kernels import logit_tiles
     sig = dict(x_ptr="tensordesc<bf16[128,64]>", w_ptr="tensordesc<bf16[256,64]>", bias_ptr="*bf16",
                y_ptr="*i32", cw_ptr="*fp32", e_ptr="tensordesc<bf16[128,128]>", stride_e="i32", m_ptr="*fp32",
@@ -149,7 +152,7 @@ def _logits(store, q=False, compiled=False):
                V="i32", H="i32", n_tiles="i32", softcap="fp32", temperature="fp32")
     consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_TEMP=False, HAS_CW=False, HAS_Q=q, HAS_PZ=q,
                   STORE=store, PRECISION="ieee", BM=128, BN=256, BK=64, LOG2_BN=8, EVEN_K=True, TMA=True,
-                  E_DESC=store, E_DT=tl.bfloat16, FLATTEN=False, ASM=True)
+                  E_DESC=store, E_DT=tl.bfloat16, FLATTEN=flatten, ASM=True)
     return (_compiled if compiled else _spilled)(logit_tiles._logit_tiles_kernel, sig, consts)
 
 

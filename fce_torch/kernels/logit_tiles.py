@@ -80,29 +80,51 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
         if tl.max(((y >= t * BN) & (y < t * BN + BN)).to(tl.int32), axis=0) > 0:
             zy_t = tl.max(tl.where(cols[None, :] == y[:, None], z, float("-inf")), axis=1)
         tl.store(zy_ptr + part, zy_t, mask=row_ok)
-        e = fm.ex2((z - m_t[:, None]) * LOG2E, ASM)
-        tl.store(s_ptr + part, row_sum(e, BM, BN, LOG2_BN, ASM), mask=row_ok)
-        if HAS_Q or HAS_PZ:
-            d = z - m_t[:, None]
-            if partial:
-                d = tl.where(col_ok[None, :], d, 0.0)
-            if HAS_Q:
-                if HAS_CW:
-                    d_w = fm.mul(tl.load(cw_ptr + cols, mask=col_ok, other=0.0)[None, :], d, ASM)
-                else:
-                    d_w = d
-                tl.store(q_ptr + part, row_sum(d_w, BM, BN, LOG2_BN, ASM), mask=row_ok)
-            if HAS_PZ:
-                tl.store(pz_ptr + part, row_sum(fm.mul(e, d, ASM), BM, BN, LOG2_BN, ASM), mask=row_ok)
-        if STORE:
-            e16 = fm.to_dtype(e, E_DT, ASM)
-            if E_DESC:
-                left, right = column_halves(e16)
-                e_ptr.store([r0, t * BN], left)
-                e_ptr.store([r0, t * BN + BN // 2], right)
-            else:
-                tl.store(e_ptr + rows64[:, None] * stride_e + cols[None, :], e16,
-                         mask=row_ok[:, None] & col_ok[None, :])
+        # e and the sums a half tile at a time: with q or pz, z, e and z - m_t of the whole tile did not fit in
+        # the registers beside each other (sm_90a: 176 bytes spilled per thread with q and pz, 0 by halves);
+        # each sum's last pair is the halves' trees
+        z_l, z_r = column_halves(z)
+        s_l, q_l, pz_l = _half_sums(z_l, m_t, t * BN, V, cw_ptr, partial, e_ptr, r0, rows64, row_ok, stride_e,
+                                    HAS_Q, HAS_PZ, HAS_CW, STORE, E_DESC, E_DT, BM, BN // 2, LOG2_BN - 1, ASM)
+        s_r, q_r, pz_r = _half_sums(z_r, m_t, t * BN + BN // 2, V, cw_ptr, partial, e_ptr, r0, rows64, row_ok,
+                                    stride_e, HAS_Q, HAS_PZ, HAS_CW, STORE, E_DESC, E_DT, BM, BN // 2, LOG2_BN - 1,
+                                    ASM)
+        tl.store(s_ptr + part, s_l + s_r, mask=row_ok)
+        if HAS_Q:
+            tl.store(q_ptr + part, q_l + q_r, mask=row_ok)
+        if HAS_PZ:
+            tl.store(pz_ptr + part, pz_l + pz_r, mask=row_ok)
+
+
+@triton.jit
+def _half_sums(z, m_t, c0, V, cw_ptr, partial, e_ptr, r0, rows64, row_ok, stride_e, HAS_Q: tl.constexpr,
+               HAS_PZ: tl.constexpr, HAS_CW: tl.constexpr, STORE: tl.constexpr, E_DESC: tl.constexpr,
+               E_DT: tl.constexpr, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr, ASM: tl.constexpr):
+    """s, q and pz (s where not asked for) of the W columns c0 .. c0 + W of a tile, given their z (-inf past V)
+    and the tile's maxima, and its e stored: the kernel's arithmetic on part of the columns."""
+    cols = c0 + tl.arange(0, W)
+    d = z - m_t[:, None]
+    e = fm.ex2(d * LOG2E, ASM)
+    s = row_sum(e, BM, W, LOG2_W, ASM)
+    if STORE:
+        e16 = fm.to_dtype(e, E_DT, ASM)
+        if E_DESC:
+            e_ptr.store([r0, c0], e16)
+        else:
+            tl.store(e_ptr + rows64[:, None] * stride_e + cols[None, :], e16,
+                     mask=row_ok[:, None] & (cols < V)[None, :])
+    if partial:
+        d = tl.where((cols < V)[None, :], d, 0.0)
+    q = s
+    pz = s
+    if HAS_Q:
+        d_w = d
+        if HAS_CW:
+            d_w = fm.mul(tl.load(cw_ptr + cols, mask=cols < V, other=0.0)[None, :], d, ASM)
+        q = row_sum(d_w, BM, W, LOG2_W, ASM)
+    if HAS_PZ:
+        pz = row_sum(fm.mul(e, d, ASM), BM, W, LOG2_W, ASM)
+    return s, q, pz
 
 
 @triton.jit
