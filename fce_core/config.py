@@ -180,8 +180,9 @@ GRAD_GEMM_TORCH = dataclasses.replace(GRAD_GEMM, tile_n=256, tma=True, persisten
 # (grad_gemms._dw_config).
 GRAD_GEMM_TORCH_TALL = dataclasses.replace(GRAD_GEMM_TORCH, tile_m=256, tile_n=128)
 # fce_torch's launch where dZ is formed on the operand load: 128x256 tiles, not flattened, the ones that hold
-# the tile values' transform without spilling (sm_90a, compiled on the CPU: dX and dW written 0 bytes; the
-# (hi, lo) accumulation 224; flattened 68-280, on 256x128 tiles 276-952). Not timed on the GPU yet.
+# the tile values' transform without spilling (sm_90a: dX and dW written 0 bytes; the (hi, lo) accumulation 224).
+# Measured on the H200 (bench/results/nvidia-h200/epilogue-shuffles/): 2.5x slower than the dZ pass and the
+# GEMMs over dZ, and on 128x256 tiles not bitwise the dZ path's (256x128 is): dz_on_load stays off.
 GRAD_GEMM_TORCH_ON_LOAD = dataclasses.replace(GRAD_GEMM_TORCH, flatten=False)
 # The JAX twin's launch of the same GEMMs on Pallas Mosaic GPU, its default for 16-bit operands on the GPU
 # (NUMERICS as GRAD_GEMM): two compute warpgroups on half a tile's rows each, TMA loads, persistent programs,
