@@ -123,7 +123,7 @@ class GradGemmConfig:
     programs_per_sm: int = 1  # as GemmConfig's (fce_torch)
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
     # dZ formed from the logits GEMM's tile values on the dX / dW GEMMs' operand load, where the head's dZ is
-    # that of `tile_dlogits.supports_on_load` (no pass over the [rows, V] values): the same values, speed only
+    # that `fce_core.heads.forms_dz_on_load` admits (no pass over the [rows, V] values): the same values, speed only
     dz_on_load: bool = False
 
 

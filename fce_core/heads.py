@@ -42,3 +42,12 @@ def flce_head(kernel, opt, scalars, vocab):
         return out
 
     return Head(fn, StatsSpec(q=opt.label_smoothing > 0))
+
+
+def forms_dz_on_load(enabled, class_weights, coef, transform, *, db, traced, vocab_parallel):
+    """Whether the gradient GEMMs form a chunk's dZ on their operand load (`GradGemmConfig.dz_on_load`,
+    `enabled`) instead of a dZ pass over its tile values. The load forms the loss terms and label smoothing's
+    c only: not with class weights (a per-column c), an entropy term (`coef` has d) or a logit transform. And
+    the engine needs dZ itself for db (its column sums), for a trace of the stages, and vocab-parallel."""
+    return (enabled and not db and not traced and not vocab_parallel and class_weights is None and "d" not in coef
+            and transform.softcap is None and not transform.has_temperature)

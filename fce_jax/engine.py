@@ -16,14 +16,15 @@ from jax import lax
 from fce_core.rows import safe_targets, target_logits, tile_weights
 from fce_core.rows import valid_first as valid_first_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
+from fce_core.heads import forms_dz_on_load
 from fce_core.plan import layout
 
 from . import arrays, gemm
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows, zero_rows_from
-from .kernels.grad_gemms import TileValues, dw_accumulate, dw_first, dw_gemm, dx_gemm, forms_dz_on_load
+from .kernels.grad_gemms import TileValues, dw_accumulate, dw_first, dw_gemm, dx_gemm, dz_on_load_enabled
 from .kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
 from .kernels.row_stats import row_stats
-from .kernels.tile_dlogits import supports_on_load, tile_dlogits
+from .kernels.tile_dlogits import tile_dlogits
 from .sums import pairwise_sum
 
 F32 = jnp.float32
@@ -149,9 +150,9 @@ class _Sweep:
         return (dw, db), out, dx_c
 
     def forms_on_load(self, out):
-        """Whether the GEMMs form this chunk's dZ on their operand load: fce_torch's `_FusedChunkRunner` rule."""
-        return (forms_dz_on_load() and not self.grads[2] and not self.tracing and self.comm is None
-                and supports_on_load(self.class_weights, out, self.transform))
+        """Whether the GEMMs form this chunk's dZ on their operand load (`fce_core.heads.forms_dz_on_load`)."""
+        return forms_dz_on_load(dz_on_load_enabled(), self.class_weights, out, self.transform, db=self.grads[2],
+                                traced=self.tracing, vocab_parallel=self.comm is not None)
 
     def _dx(self, product, dtype, scale=None):
         """dX from product(out_dtype) = dZ W: in `dtype`, or from float32: vocab-parallel the shards' parts

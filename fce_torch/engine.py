@@ -11,15 +11,16 @@ import torch
 from fce_core.rows import safe_targets, target_logits, tile_weights
 from fce_core.rows import valid_first_in_groups as valid_first_in_groups_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
+from fce_core.heads import forms_dz_on_load
 
 from . import arrays, gemm
 from .checks import HostRead
 from .kernels.dlogits import accumulate_bias_grad, dlogits, scale_rows
 from .kernels.fastmath import ASM
-from .kernels.grad_gemms import TileValues, dw_accumulate, dw_first, dw_gemm, dx_gemm, forms_dz_on_load
+from .kernels.grad_gemms import TileValues, dw_accumulate, dw_first, dw_gemm, dx_gemm, dz_on_load_enabled
 from .kernels.logit_tiles import gemm_config, logit_tiles, merge_tiles
 from .kernels.row_stats import row_stats
-from .kernels.tile_dlogits import supports_on_load, tile_dlogits
+from .kernels.tile_dlogits import tile_dlogits
 from .sums import pairwise_sum
 
 F32 = torch.float32
@@ -271,7 +272,7 @@ class _ChunkRunner:
 class _FusedChunkRunner(_ChunkRunner):
     """The same chunk on the fused engine: the tile values take the kept rows (or a new [rows, V] array in the
     input dtype) and dZ overwrites them, or, where the GEMMs form it on their operand load
-    (`grad_gemms.forms_dz_on_load`, a head that `tile_dlogits.supports_on_load` admits, no db), the GEMMs take
+    (`fce_core.heads.forms_dz_on_load` with `grad_gemms.dz_on_load_enabled`), the GEMMs take
     the tile values as they are: the chunk's own, or a group's kept rows (`kept_dz`). Vocab-parallel, the
     target logit is the owner shard's and the shards' statistics are merged, as in `_ChunkRunner`."""
 
@@ -279,7 +280,8 @@ class _FusedChunkRunner(_ChunkRunner):
         super().__init__(w, bias, class_weights, head, transform, grads, trace, comm)
         self.tile_weights = None if class_weights is None else tile_weights(arrays, class_weights,
                                                                               gemm_config().tile_n)
-        self.on_load = forms_dz_on_load() and not grads[2] and trace is None and comm is None
+        # the trace takes the first chunk's stages only, yet no chunk of a traced call forms dZ on load
+        self.db, self.traced = grads[2], trace is not None
         self.kept_tiles = []  # with kept dZ formed on the load: the group's chunks' tile maxima so far
 
     def kept_dz(self, dz_rows, pieces, y):
@@ -305,7 +307,8 @@ class _FusedChunkRunner(_ChunkRunner):
         if trace is not None and e is not None:
             trace["tiles"] = e.clone()
         if self.need_grads:
-            if self.on_load and supports_on_load(self.cw, out, self.transform):
+            if forms_dz_on_load(dz_on_load_enabled(), self.cw, out, self.transform, db=self.db,
+                                traced=self.traced, vocab_parallel=comm is not None):
                 if add is None:  # the kept rows stay tile values: `kept_dz` forms dZ in the group's GEMMs
                     self.kept_tiles.append(parts["m"])
                 else:

@@ -549,8 +549,8 @@ ON_LOAD_CASES = {  # id: (case, whether the GEMMs form its dZ on their load, whe
 def test_fused_engine_forms_dz_on_load(twin, monkeypatch, name):
     """The fused engine with `GradGemmConfig.dz_on_load` gives the bits of the engine that writes dZ, over
     several chunks, per chunk and over a kept dZ with rows that did not run: the GEMMs take the tile values
-    (no dZ pass) where the head admits it (`tile_dlogits.supports_on_load`; not with class weights) and no db
-    is asked for."""
+    (no dZ pass) where `fce_core.heads.forms_dz_on_load` admits the head (not with class weights) and no db is
+    asked for."""
     case, forms, kept = ON_LOAD_CASES[name]
     case = _fused(case)
     assert plan_rows(70, case.h, case.v, ITEMSIZE[case.dtype], need_grads=True, requested=32,
@@ -570,7 +570,7 @@ def _with_and_without_on_load(twin, monkeypatch, forms, run):
     engine = importlib.import_module(f"fce_{twin.name}.engine")
     runs, formed = [], []
     for on in (False, True):
-        monkeypatch.setattr(engine, "forms_dz_on_load", lambda on=on: on)
+        monkeypatch.setattr(engine, "dz_on_load_enabled", lambda on=on: on)
         monkeypatch.setattr(engine, "TileValues", functools.partial(_counted, formed, engine.TileValues))
         runs.append(run())
         monkeypatch.undo()

@@ -113,8 +113,8 @@ def tma_rows(arr):
     return arr.shape[-1] * jnp.dtype(arr.dtype).itemsize % 16 == 0
 
 
-def forms_dz_on_load():
-    """fce_torch's `forms_dz_on_load` (the GPU's launch: GRAD_GEMM_MOSAIC's flag)."""
+def dz_on_load_enabled():
+    """fce_torch's `dz_on_load_enabled` (the GPU's launch: GRAD_GEMM_MOSAIC's flag)."""
     return (GRAD_GEMM_INTERPRETER if interpret_mode() else GRAD_GEMM_MOSAIC).dz_on_load
 
 

@@ -41,11 +41,6 @@ def dz_on_load(e, mt_ref, rows, c0, coef, live, vocab, tile_n, asm):
     return jnp.where(live[:, None] & (cols < vocab)[None, :], dz + c[:, None], 0.0).astype(e.dtype)
 
 
-def supports_on_load(class_weights, coef, transform):
-    """fce_torch's `supports_on_load`."""
-    return class_weights is None and "d" not in coef and transform.softcap is None and not transform.has_temperature
-
-
 def _tile_dlogits_kernel(e_ref, mt_ref, y_ref, zy_ref, cw_ref, lse_ref, a_ref, b_ref, c_ref, d_ref, mu_ref,
                          row0_ref, dz_ref, *, n_rows, vocab, transform, has_cw, entropy, tile_n, asm):
     br = TILE_ROWS.block

@@ -187,9 +187,9 @@ def _config():
     return GRAD_GEMM_TORCH if fm.ASM else GRAD_GEMM_INTERPRETER_TORCH
 
 
-def forms_dz_on_load():
-    """Whether the fused engine hands these GEMMs `TileValues` where the head allows (`GradGemmConfig.dz_on_load`
-    of the GPU's or the interpreter's launch)."""
+def dz_on_load_enabled():
+    """`GradGemmConfig.dz_on_load` of the GPU's or the interpreter's launch: whether the fused engine hands these
+    GEMMs `TileValues` where `fce_core.heads.forms_dz_on_load` allows."""
     return _config().dz_on_load
 
 

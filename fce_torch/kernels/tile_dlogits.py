@@ -29,8 +29,8 @@ def dz_terms(e, m_t, y, lse, a, b, cols, ASM: tl.constexpr):
 def dz_on_load(e, mt_ptr, rows, c0, n_tiles, y, lse, a, b, c, live, V, TILE_N: tl.constexpr, ASM: tl.constexpr):
     """dZ of a block e [R, C] of tile values (any dtype, returned in it) at `rows` [R] and columns c0 .. c0 + C
     (inside one tile of TILE_N), given the rows' `row_coefficients` (0 past the rows), for the heads that
-    `supports_on_load` admits: a p + b [c == y] + c, 0 in rows without a gradient and in columns past V, the
-    values this pass stores (its columns past V are never read)."""
+    `fce_core.heads.forms_dz_on_load` admits: a p + b [c == y] + c, 0 in rows without a gradient and in columns
+    past V, the values this pass stores (its columns past V are never read)."""
     m_t = tl.load(mt_ptr + rows.to(tl.int64) * n_tiles + c0 // TILE_N, mask=live, other=0.0)
     cols = c0 + tl.arange(0, e.shape[1])
     _p, dz = dz_terms(e.to(tl.float32), m_t, y, lse, a, b, cols, ASM)
@@ -78,12 +78,6 @@ def _tile_dlogits_kernel(e_ptr, stride_e, mt_ptr, y_ptr, zy_ptr, cw_ptr, lse_ptr
         dz = fm.div(dz, temperature, ASM)
     dz = tl.where(live[:, None], dz, 0.0)
     tl.store(ptrs, fm.to_dtype(dz, e_ptr.dtype.element_ty, ASM), mask=mask)
-
-
-def supports_on_load(class_weights, coef, transform):
-    """Whether the gradient GEMMs can form this dZ on their operand load (`dz_on_load`): the loss terms and
-    label smoothing's c without class weights, no entropy term and no logit transform."""
-    return class_weights is None and "d" not in coef and transform.softcap is None and not transform.has_temperature
 
 
 def tile_dlogits(e, m_tiles, y, zy, class_weights, coef, *, transform, cfg=None):
