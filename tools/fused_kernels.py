@@ -7,8 +7,9 @@ default; and a chunk's backward with dZ formed on the GEMMs' operand load agains
 The logits variants (TMA loads, persistent programs) are fce_torch's; the JAX twin runs its one kernel for
 each. A development tool: its table guides GemmConfig and GradGemmConfig.
 
-Usage (GPU): python tools/fused_kernels.py OUT_DIR [--grads | --logits] [N,H,V ...]   (--grads: the gradient
-GEMMs only; --logits: the logits GEMM only)
+Usage (GPU): python tools/fused_kernels.py OUT_DIR [--grads | --logits] [--variants I,J,...] [N,H,V ...]
+(--grads: the gradient GEMMs only; --logits: the logits GEMM only; --variants: only those logits VARIANTS, by
+index, none for an empty list; every row is printed with its seconds since the start and saved as it comes)
 """
 import dataclasses
 import json
@@ -105,8 +106,7 @@ def grad_rows(n, h, v):
                 row["tflops_dx"], row["tflops_dw"] = flop / row["dx_ms"] / 1e9, flop / row["dw_ms"] / 1e9
             except Exception as exc:  # noqa: BLE001  (a variant that does not compile is reported)
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            _emit(out_dir, rows, row, t0)
     return rows
 
 
@@ -248,16 +248,27 @@ def _save(out_dir, rows):
         json.dump(rows, f, indent=1)
 
 
+def _emit(out_dir, rows, row, t0):
+    rows.append(row)
+    _save(out_dir, rows)
+    print(f"{time.perf_counter() - t0:7.1f} s", json.dumps(row), flush=True)
+
+
 def main():
     args = sys.argv[1:]
     grads_only, logits_only = "--grads" in args, "--logits" in args
     if grads_only and logits_only:
         sys.exit("fused_kernels.py: --grads and --logits exclude each other (neither: both kinds of kernel)")
+    picked = None
+    if "--variants" in args:
+        at = args.index("--variants")
+        picked = [VARIANTS[int(i)] for i in args[at + 1].split(",") if i != "none"]
+        del args[at:at + 2]
     out_dir, *shapes = [a for a in args if a not in ("--grads", "--logits")]
     os.makedirs(out_dir, exist_ok=True)
     shapes = [tuple(int(v) for v in s.split(",")) for s in shapes] or [
         (4096, 4096, 128256), (256, 4096, 128256), (8192, 640, 262144)]
-    rows = []
+    rows, t0 = [], time.perf_counter()
     for n, h, v in shapes:
         if grads_only:
             rows += grad_rows(n, h, v) + _guarded(on_load_rows, n, h, v)
@@ -271,12 +282,12 @@ def main():
         flop = 2 * n * h * v
         jax_runs = {}
         ms = best_ms(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))
-        rows.append(dict(shape=(n, h, v), impl="cublas_f32_out", ms=ms, tflops=flop / ms / 1e9))
+        _emit(out_dir, rows, dict(shape=(n, h, v), impl="cublas_f32_out", ms=ms, tflops=flop / ms / 1e9), t0)
         xla = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                                        preferred_element_type=jnp.float32))
         ms = best_ms(lambda: xla(xj, wj).block_until_ready())
-        rows.append(dict(shape=(n, h, v), impl="xla_f32_out", ms=ms, tflops=flop / ms / 1e9))
-        for cfg in VARIANTS:
+        _emit(out_dir, rows, dict(shape=(n, h, v), impl="xla_f32_out", ms=ms, tflops=flop / ms / 1e9), t0)
+        for cfg in VARIANTS if picked is None else picked:
             tag = _tag(cfg)
             kw = dict(spec=StatsSpec(), transform=Transform(), cfg=cfg)
             row = dict(shape=(n, h, v), cfg=tag)
@@ -296,8 +307,7 @@ def main():
                 row["bits_parts"] = _same_parts(p_t, p_j)
             except Exception as exc:  # noqa: BLE001  (a variant that does not compile is reported)
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            _emit(out_dir, rows, row, t0)
         bias = torch.randn(v, device="cuda", generator=g).to(torch.bfloat16)
         cw = torch.rand(v, device="cuda", generator=g)
         # the loss's partials; smoothing's and entropy's; those past a bias and a temperature (RL's log-probs),
@@ -305,8 +315,7 @@ def main():
         for spec, extra in ((StatsSpec(), {}), (StatsSpec(q=True, pz=True), {}),
                             (StatsSpec(q=True, pz=True), dict(temperature=0.7, bias=bias)),
                             (StatsSpec(q=True), dict(cw=cw))):
-            rows.append(_mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, **extra))
-            print(json.dumps(rows[-1]), flush=True)
+            _emit(out_dir, rows, _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, **extra), t0)
         if not logits_only:
             rows += grad_rows(n, h, v) + _guarded(on_load_rows, n, h, v)
         _save(out_dir, rows)

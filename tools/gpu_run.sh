@@ -30,7 +30,8 @@ for job in "$@"; do
               timeout "$limit" python -m tests.peers --device cuda --offline --cce-tests main --only cce-main \
                 --json "$results/$job/peers-cce-main.json" ;;
     parity)   timeout "$limit" python -m parity --no-progress --out "$results/$job" ${PARITY_ARGS:-} ;;
-    kernels)  timeout "$limit" python tools/fused_kernels.py "$results/$job" ${KERNELS_ARGS:-} ;;
+    kernels)  timeout "$limit" python tools/fused_kernels.py "$results/$job" ${KERNELS_ARGS:-} 2>&1 |
+                tee "$results/$job/log.txt" ;;
     op)       timeout "$limit" python -m bench op --out "$results/$job" ${OP_ARGS:-} ;;
     logprobs) timeout "$limit" python -m bench logprobs --out "$results/$job" ${LOGPROBS_ARGS:-} ;;
     cpo)      timeout "$limit" python -m bench cpo --out "$results/$job" ${CPO_ARGS:-} ;;
