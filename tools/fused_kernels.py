@@ -212,7 +212,7 @@ def _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, temperature=1.0, bias=No
         row["tflops_torch"], row["tflops_jax"] = flop / row["torch_ms"] / 1e9, flop / row["jax_ms"] / 1e9
         row["bits_e"] = bool(np.array_equal(_bits(e_t), _bits(e_j)))
         row["bits_parts"] = _same_parts(p_t, p_j)
-    except Exception as exc:  # noqa: BLE001  (reported: the kernel has not run on a GPU before)
+    except Exception as exc:  # noqa: BLE001  (reported: its first GPU call did not return)
         row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
     return row
 
