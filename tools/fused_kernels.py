@@ -205,14 +205,23 @@ def _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, temperature=1.0, bias=No
     bj, cj = (None if a is None else jax.dlpack.from_dlpack(a) for a in (bias, cw))
     try:
         run_t = lambda: tt.logit_tiles(x, w, bias, y, cw, precision="ieee", cfg=GEMM, **kw)  # noqa: E731
-        fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, bj, c, cj, precision=None, cfg=GEMM_MOSAIC, **kw))
         row["torch_ms"] = best_ms(run_t)
+        # compiled apart from its first run, and said so at once: a call that never returns (the first on the
+        # H200 did not within 129 s, bench/results/nvidia-h200/op-after-shuffles/) then shows which step hung
+        t = time.perf_counter()
+        print(f"  {row['cfg']}: compiling", flush=True)
+        fj = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, bj, c, cj, precision=None, cfg=GEMM_MOSAIC, **kw)).lower(
+            xj, wj, yj).compile()
+        row["jax_compile_s"] = time.perf_counter() - t
+        print(f"  compiled in {row['jax_compile_s']:.1f} s, running", flush=True)
+        jax.block_until_ready(fj(xj, wj, yj))
+        print("  ran", flush=True)
         row["jax_ms"] = best_ms(lambda: jax.block_until_ready(fj(xj, wj, yj)))
         (e_t, p_t), (e_j, p_j) = run_t(), fj(xj, wj, yj)
         row["tflops_torch"], row["tflops_jax"] = flop / row["torch_ms"] / 1e9, flop / row["jax_ms"] / 1e9
         row["bits_e"] = bool(np.array_equal(_bits(e_t), _bits(e_j)))
         row["bits_parts"] = _same_parts(p_t, p_j)
-    except Exception as exc:  # noqa: BLE001  (reported: its first GPU call did not return)
+    except Exception as exc:  # noqa: BLE001  (reported in its row, as a kernel that does not compile)
         row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
     return row
 
