@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fce_core.config import BUDGET, BudgetConfig
-from fce_core.heads import StatsSpec
+from fce_core.heads import StatsSpec, forms_dz_on_load
 from fce_core.options import Transform
 from fce_core.plan import (STATS_BYTES, Plan, bounds, chunk_rows, layout, pair_order, pairs_per_group, plan_pairs,
                             plan_rows)
@@ -627,3 +627,19 @@ def test_value_check_is_read_after_the_first_chunk(engine, n_valid, monkeypatch)
     bad["targets"][50] = 130
     with pytest.raises(ValueError, match="targets must be in"):
         TORCH.run(bad, case.options(), chunk_rows=8, engine=engine)
+
+
+def test_forms_dz_on_load_takes_only_the_loss_terms():
+    """The twins' one rule for dZ on the GEMMs' load: the flag, and a head whose dZ is a p + b [c == y] + c
+    (label smoothing's c included); every other term, a transform, db, a trace or vocab parallelism keeps the
+    dZ pass."""
+    loss = {"lse": 0, "a": 0, "b": 0, "c": 0}
+    base = dict(db=False, traced=False, vocab_parallel=False)
+    assert forms_dz_on_load(True, None, loss, Transform(), **base)
+    assert not forms_dz_on_load(False, None, loss, Transform(), **base)
+    assert not forms_dz_on_load(True, np.ones(3, np.float32), loss, Transform(), **base)  # class weights
+    assert not forms_dz_on_load(True, None, {**loss, "d": 0, "mu": 0}, Transform(), **base)  # the entropy's term
+    assert not forms_dz_on_load(True, None, loss, Transform(softcap=30.0), **base)
+    assert not forms_dz_on_load(True, None, loss, Transform(temperature=0.7), **base)
+    for name in base:
+        assert not forms_dz_on_load(True, None, loss, Transform(), **{**base, name: True}), name
