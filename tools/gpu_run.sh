@@ -10,7 +10,9 @@
 #   peers     the peers' own test files against the drop-ins (needs .peers/sdist and .peers/cce-main carried)
 #   parity    python -m parity          op, logprobs, cpo, sft, profile: python -m bench <job>
 #   kernels   python tools/fused_kernels.py, the fused GEMMs one by one (KERNELS_ARGS="--grads 4096,4096,128256")
-# Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, LOGPROBS_ARGS, CPO_ARGS, SFT_ARGS, KERNELS_ARGS;
+#   mosaic    python tools/mosaic_probe.py, the Mosaic GPU logits GEMM's variants, each in a process under a limit
+# Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, LOGPROBS_ARGS, CPO_ARGS, SFT_ARGS, KERNELS_ARGS,
+# MOSAIC_ARGS;
 # JOB_TIMEOUT (seconds, default 1800) bounds each job, <JOB>_TIMEOUT (e.g. PARITY_TIMEOUT) one of them.
 set -u
 out=${OUT:-out}
@@ -32,6 +34,7 @@ for job in "$@"; do
     parity)   timeout "$limit" python -m parity --no-progress --out "$results/$job" ${PARITY_ARGS:-} ;;
     kernels)  timeout "$limit" python tools/fused_kernels.py "$results/$job" ${KERNELS_ARGS:-} 2>&1 |
                 tee "$results/$job/log.txt" ;;
+    mosaic)   timeout "$limit" python tools/mosaic_probe.py "$results/$job" ${MOSAIC_ARGS:-} ;;
     op)       timeout "$limit" python -m bench op --out "$results/$job" ${OP_ARGS:-} ;;
     logprobs) timeout "$limit" python -m bench logprobs --out "$results/$job" ${LOGPROBS_ARGS:-} ;;
     cpo)      timeout "$limit" python -m bench cpo --out "$results/$job" ${CPO_ARGS:-} ;;
