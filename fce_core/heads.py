@@ -7,7 +7,7 @@ target logit ``zy`` and the first argmax ``amax``. A head may also need
 The engine computes exactly what the spec asks, nothing else; the dlogits pass has the matching terms.
 """
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -51,3 +51,30 @@ def forms_dz_on_load(enabled, class_weights, coef, transform, *, db, traced, voc
     the engine needs dZ itself for db (its column sums), for a trace of the stages, and vocab-parallel."""
     return (enabled and not db and not traced and not vocab_parallel and class_weights is None and "d" not in coef
             and transform.softcap is None and not transform.has_temperature)
+
+
+LOAD_COEF = ("lse", "a", "b", "c")  # the head's outputs that dZ formed on the GEMMs' load reads
+
+
+class TileValues(NamedTuple):
+    """dZ [n, V] as the logits GEMM's tile values `e` and what forms dZ from them on the gradient GEMMs' operand
+    load (each twin's `tile_dlogits.dz_on_load`): the tile maxima `m_tiles` [n, T] of tiles `tile_n` wide, the
+    safe targets `y` and the head's `coef` (LOAD_COEF; [n] each). The GEMMs then read no dZ array. Either twin's
+    arrays."""
+    e: Any
+    m_tiles: Any
+    y: Any
+    coef: dict
+    tile_n: int
+
+    @property
+    def shape(self):
+        return self.e.shape
+
+    @property
+    def device(self):
+        return self.e.device
+
+    def arrays(self):
+        """What the kernels read beside e: m_tiles, y, lse, a, b, c."""
+        return self.m_tiles, self.y, *(self.coef[k] for k in LOAD_COEF)

@@ -16,7 +16,7 @@ from jax import lax
 from fce_core.rows import safe_targets, target_logits, tile_weights
 from fce_core.rows import valid_first as valid_first_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
-from fce_core.heads import forms_dz_on_load
+from fce_core.heads import LOAD_COEF, forms_dz_on_load
 from fce_core.plan import layout
 
 from . import arrays, gemm
@@ -186,7 +186,7 @@ class _Sweep:
         """`add` with the fused engine's GEMMs: dW written once in the weight's dtype (`single`), or
         accumulated as `grad_gemms.dw_first` starts it (a bfloat16 (hi, lo) pair, else float32); with `ran`,
         dX, dW and db over the first `ran` rows, with `last` a pair's hi alone, with `scale` dZ's rows scaled
-        in the GEMMs, as in fce_torch's `_Grads._add_own`; `dz` may be `grad_gemms.TileValues`."""
+        in the GEMMs, as in fce_torch's `_Grads._add_own`; `dz` may be `fce_core.heads.TileValues`."""
         need_dx, need_dw, _ = self.grads
         precision = gemm.pallas_precision(x_rows)  # dZ's dtype: the tile values are in the input's
         dx = self._dx(lambda dtype: dx_gemm(dz, self.w, dtype, precision, rows=ran),
@@ -223,7 +223,7 @@ def _kept_dz(dz, outputs, y):
     m_tiles = outputs.pop(KEPT_TILES, None)
     if m_tiles is None:
         return dz
-    return TileValues(dz, m_tiles, y, {k: outputs[k] for k in ("lse", "a", "b", "c")}, gemm_config().tile_n)
+    return TileValues(dz, m_tiles, y, {k: outputs[k] for k in LOAD_COEF}, gemm_config().tile_n)
 
 
 def _kept(acc):

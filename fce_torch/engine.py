@@ -11,7 +11,7 @@ import torch
 from fce_core.rows import safe_targets, target_logits, tile_weights
 from fce_core.rows import valid_first_in_groups as valid_first_in_groups_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
-from fce_core.heads import forms_dz_on_load
+from fce_core.heads import LOAD_COEF, forms_dz_on_load
 
 from . import arrays, gemm
 from .checks import HostRead
@@ -124,7 +124,7 @@ class _Grads:
         dX from the shards' float32 parts as in `add`. With `ran`, dX is 0 past those rows and dW's K is
         `ran`. With `scale` (dZ's rows times scale, docs/NUMERICS.md "CPO"), dX = scale (dZ W) rounded once
         from float32, dW = dZ^T (scale X) and db sums scale dZ: no pass over the [rows, V] dZ. `dz` may be
-        `grad_gemms.TileValues`, dZ formed on the GEMMs' operand load (no `scale`, `ran` or db then)."""
+        `fce_core.heads.TileValues`, dZ formed on the GEMMs' operand load (no `scale`, `ran` or db then)."""
         precision = gemm.triton_precision(x_rows)  # dZ's dtype: the tile values are in the input's
         if self.need_dx:
             self._dx(r0, r1, lambda out: dx_gemm(dz, self.w, out, precision, rows=ran), scale)
@@ -289,7 +289,7 @@ class _FusedChunkRunner(_ChunkRunner):
         if not self.kept_tiles:
             return dz_rows
         m_tiles, self.kept_tiles = torch.cat(self.kept_tiles), []
-        coef = {k: torch.cat([p[k] for p in pieces]) for k in ("lse", "a", "b", "c")}
+        coef = {k: torch.cat([p[k] for p in pieces]) for k in LOAD_COEF}
         return TileValues(dz_rows, m_tiles, y, coef, gemm_config().tile_n)
 
     def __call__(self, x_c, inputs, add, dz_rows):

@@ -11,8 +11,6 @@ Two kernels, the same bits (K ascending, never split):
   TMA cannot move (V or H not a multiple of 8); and the CPU interpreters' default (Mosaic GPU's interpret
   mode is slower; tests/test_fused_engine.py runs the Mosaic kernels there).
 """
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -20,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC
+from fce_core.heads import TileValues
 from fce_core.plan import dx_slices, rows_fast
 
 from . import fastmath as fm
@@ -29,24 +28,6 @@ from ..sums import pairwise_sum
 
 F32 = jnp.float32
 WRITE, ADD, PAIR, PAIR_LAST = 0, 1, 2, 3  # as fce_torch's; PAIR_LAST reads lo as an input and writes hi alone
-
-
-class TileValues(NamedTuple):
-    """fce_torch's `TileValues`: dZ [n, V] as the tile values `e`, formed on the GEMMs' operand load from the
-    tile maxima `m_tiles` [n, T] (tiles `tile_n` wide), the safe targets `y` and the head's `coef`."""
-    e: jax.Array
-    m_tiles: jax.Array
-    y: jax.Array
-    coef: dict
-    tile_n: int
-
-    @property
-    def shape(self):
-        return self.e.shape
-
-    def arrays(self):
-        """What the kernel reads beside e: m_tiles, y, lse, a, b, c."""
-        return self.m_tiles, self.y, *(self.coef[k] for k in ("lse", "a", "b", "c"))
 
 
 def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg, asm, on_load):

@@ -8,13 +8,12 @@ costs 4: each chunk reads and writes less, and the planner gives the byte it sav
 (`fce_core.plan.fused_rows`). Each step adds at most 2**-15 relative error (hi's ulp / 256, where lo is
 clipped), far below the final rounding. Twin: fce_jax/kernels/grad_gemms.py.
 """
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH_TALL
+from fce_core.heads import TileValues
 from fce_core.plan import dx_slices, gemm_items, rows_fast, waves
 
 from . import fastmath as fm
@@ -27,29 +26,6 @@ F32 = torch.float32
 # The epilogues: C = acc in C's dtype; C (float32) += acc; the (hi, lo) pair; its last update, hi alone (lo read,
 # not written: after the last product only hi, the rounded sum, is dW).
 WRITE, ADD, PAIR, PAIR_LAST = 0, 1, 2, 3
-
-
-class TileValues(NamedTuple):
-    """dZ [n, V] as the logits GEMM's tile values `e` and what forms dZ from them on the GEMMs' operand load
-    (`tile_dlogits.dz_on_load`): the tile maxima `m_tiles` [n, T] of tiles `tile_n` wide, the safe targets `y`
-    and the head's `coef` (lse, a, b, c; [n] each). The GEMMs then read no dZ array."""
-    e: torch.Tensor
-    m_tiles: torch.Tensor
-    y: torch.Tensor
-    coef: dict
-    tile_n: int
-
-    @property
-    def shape(self):
-        return self.e.shape
-
-    @property
-    def device(self):
-        return self.e.device
-
-    def arrays(self):
-        """What the kernel reads beside e: m_tiles, y, lse, a, b, c."""
-        return self.m_tiles, self.y, *(self.coef[k] for k in ("lse", "a", "b", "c"))
 
 
 @triton.jit
