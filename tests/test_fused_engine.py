@@ -1302,15 +1302,26 @@ def test_jax_mosaic_logit_tiles_lower_for_the_gpu(monkeypatch):
     mapped = jax.shard_map(into, mesh=mesh, in_specs=(rep,) * 5, out_specs=rep, check_vma=True)
     assert "mosaic_gpu" in lowered(mapped, *args)
 
-    modules = []
+    modules, warpgroup_level = [], []
     lower_dialect = pallas_lowering.mgpu.lower_mgpu_dialect
 
     def keep(module, *args, **kw):
+        warpgroup_level.append(str(module))
         out = lower_dialect(module, *args, **kw)
         modules.append(str(module))
         return out
 
     monkeypatch.setattr(pallas_lowering.mgpu, "lower_mgpu_dialect", keep)
+    # No reduction of a warpgroup's rows to one value (`vector.reduction`; the row statistics are
+    # multi_reductions): Mosaic GPU gives its cross-warp scratch one place per kernel, which both compute
+    # warpgroups would write at once.
+    for cw in (None, s((1024,), jnp.float32)):
+        lowered(lambda x, w, y, *c: jm.mosaic_logit_tiles(x, w, y, has_q=True, has_pz=True, store=True,
+                                                          cfg=GEMM_MOSAIC, class_weights=c[0] if c else None),
+                s((256, 640), jnp.bfloat16), s((1024, 640), jnp.bfloat16), s((256,), jnp.int32),
+                *([cw] if cw else []))
+        assert "vector.multi_reduction" in warpgroup_level[-1]
+        assert "vector.reduction " not in warpgroup_level[-1]
 
     def body(x_gmem, o_gmem):
         @functools.partial(pl.run_scoped, xs=plgpu.SMEM((64, 16), jnp.float32), os_=plgpu.SMEM((64,), jnp.float32))

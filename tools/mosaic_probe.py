@@ -20,7 +20,7 @@ VARIANTS = {
     "control-dx": "the gradient GEMMs' Mosaic GPU kernel, dX of a [N, V] dZ (grad GEMMs): known to run",
     "full": "the kernel as the engine would run it (the loss's statistics, tile values stored)",
     "no-store": "the same without the tile values' TMA stores (store=False)",
-    "no-conds": "lax.cond's branches replaced by the first (the column mask and the target's column always)",
+    "no-conds": "lax.cond's branches replaced by the first (the column mask in every tile)",
     "plain-sums": "the row sums by one jnp.sum instead of the adjacent-pairs tree's shuffles",
     "max-only": "an epilogue of the row max alone (every other statistic a copy of it, e = exp2 of z - m)",
 }

@@ -165,18 +165,18 @@ def _statistics(total, y, c0, vocab, has_q, has_pz, cw):
     cols = c0 + (lax.broadcasted_iota(jnp.int32, shape, 1) if layout is None else
                  plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout))
     col_ok = cols < vocab
-    # Per-element work that changes no value is skipped where it can be: the column mask in every tile but a
-    # partial last one, the target's column where no row of the warpgroup has its target in the tile.
+    # The column mask is skipped in every tile but a partial last one (a predicate of scalars). The target's
+    # column is looked for in every tile: skipping tiles without targets needs a reduction over the warpgroup's
+    # rows to one scalar, whose cross-warp scratch Mosaic GPU places once per kernel, shared by both compute
+    # warpgroups with only a warpgroup barrier around it (a race: a warp could read the other warpgroup's
+    # partials and drop its rows' target logit).
     partial = c0 + shape[1] > vocab
     z = lax.cond(partial, lambda: jnp.where(col_ok, total, -jnp.inf), lambda: total)
     number = z == z
     m_t = jnp.max(jnp.where(number, z, -jnp.inf), axis=1)
     m_b = lax.broadcast_in_dim(m_t, shape, [0])
     amax = jnp.min(jnp.where(z == m_b, cols, I32_MAX), axis=1)
-    zy = lax.cond(jnp.max(((y >= c0) & (y < c0 + shape[1])).astype(jnp.int32)) > 0,
-                  lambda: jnp.max(jnp.where((cols == lax.broadcast_in_dim(y, shape, [0])) & number, z, -jnp.inf),
-                                  axis=1),
-                  lambda: jnp.full(m_t.shape, -jnp.inf, F32))
+    zy = jnp.max(jnp.where((cols == lax.broadcast_in_dim(y, shape, [0])) & number, z, -jnp.inf), axis=1)
     e = jnp.exp2((z - m_b) * LOG2E)
     out = [e, m_t, tree_sum(e), amax, zy]
     if has_q or has_pz:
