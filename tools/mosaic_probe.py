@@ -10,6 +10,7 @@ kernel, which runs on the H200 (bench/results/nvidia-h200/mosaic-grads/), is the
 Usage: python tools/mosaic_probe.py OUT_DIR [--limit SECONDS] [--variants A,B,...] [N,H,V ...]
 (GPU; on a CPU the kernels run in Mosaic GPU's interpret mode, at small shapes only). A development tool.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,6 +24,9 @@ VARIANTS = {
     "no-conds": "lax.cond's branches replaced by the first (the column mask in every tile)",
     "plain-sums": "the row sums by one jnp.sum instead of the adjacent-pairs tree's shuffles",
     "max-only": "an epilogue of the row max alone (every other statistic a copy of it, e = exp2 of z - m)",
+    "tile-n-128": "the full kernel on 128-column tiles: a 64x128 accumulator per warpgroup (64 registers a thread "
+                  "where 64x256 takes 128), as the gradient GEMMs' kernel has; whether register pressure sets the "
+                  "compile's time or the run's",
 }
 
 
@@ -52,6 +56,8 @@ def _child(variant, shape):
     else:
         _patch(jm, variant)
         cfg = config.GEMM_MOSAIC_INTERPRETER if interpret else config.GEMM_MOSAIC
+        if variant == "tile-n-128":
+            cfg = dataclasses.replace(cfg, tile_n=min(cfg.tile_n, 128))
         store = variant != "no-store"
         fn = jax.jit(lambda a, b, c: jm.mosaic_logit_tiles(a, b, c, has_q=False, has_pz=False, store=store, cfg=cfg))
         args = (x, w, y)
@@ -90,7 +96,7 @@ def _patch(jm, variant):
             return [e, m_t, m_t, jnp.zeros(m_t.shape, jnp.int32), m_t]
 
         jm._statistics = statistics
-    elif variant not in ("full", "no-store"):
+    elif variant not in ("full", "no-store", "tile-n-128"):
         raise SystemExit(f"mosaic_probe.py: unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 
