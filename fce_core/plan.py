@@ -16,6 +16,12 @@ from .config import BUDGET, GEMM, GRAD_GEMM, PAIR_LO_BYTES, BudgetConfig, GradGe
 STATS_BYTES = 9 * 4
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints. fce_torch's host code calls it where `triton.cdiv`, a Triton constexpr function,
+    takes about 2 us a call: twenty calls a fused fwd+bwd."""
+    return -(-a // b)
+
+
 def chunk_rows(n_rows: int, vocab: int, requested: int | None = None, budget: int = BUDGET.logits,
                row_multiple: int = BUDGET.row_multiple, logit_bytes: int = 4) -> int:
     """Rows per chunk: `requested` if given, else the largest multiple of `row_multiple` whose logits
@@ -33,7 +39,7 @@ def chunk_rows(n_rows: int, vocab: int, requested: int | None = None, budget: in
 def layout(n_rows: int, rows: int) -> tuple[int, int]:
     """(rows of the first piece, number of pieces) for pieces of `rows` rows, the first taking the remainder
     (1 to `rows` rows, 0 when there are none)."""
-    n = max(1, -(-n_rows // rows))
+    n = max(1, cdiv(n_rows, rows))
     return n_rows - (n - 1) * rows, n
 
 
@@ -115,7 +121,7 @@ def fused_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grad
     `budget.resident_x` (in L2 while the W tiles stream past): fewer, larger chunks (2048 rows at H = 4096,
     7168 at H = 640, V = 262144), hence fewer launches, and a row's outputs do not depend on its chunk."""
     if not need_grads:
-        tiles = -(-vocab // GEMM.tile_n)
+        tiles = cdiv(vocab, GEMM.tile_n)
         return Plan(n_rows, min(chunk_rows(n_rows, tiles, requested, budget.tiles, budget.row_multiple, STATS_BYTES),
                                 chunk_rows(n_rows, hidden, requested, budget.resident_x, budget.row_multiple,
                                            itemsize)), False)
@@ -180,7 +186,7 @@ def dx_slices(n_rows: int, hidden: int, vocab: int, cfg: GradGemmConfig = GRAD_G
     give about `cfg.target_programs` programs, else enough for that, at most `cfg.max_slices`, each slice
     at least 8 K steps long, counting output tiles on the `cfg.split_m` x `cfg.split_n` grid (not the launch
     tiles, which may differ between the twins). Both twins take it from here: it decides the bits of dX."""
-    tiles = -(-n_rows // cfg.split_m) * -(-hidden // cfg.split_n)
+    tiles = cdiv(n_rows, cfg.split_m) * cdiv(hidden, cfg.split_n)
     by_length = max(1, vocab // (8 * cfg.tile_k))
     return max(1, min(cfg.max_slices, by_length, cfg.target_programs // max(tiles, 1)))
 
@@ -191,14 +197,14 @@ def rows_fast(m: int, n: int, tile_m: int, tile_n: int) -> bool:
     long dimension's operand (read from memory once) while the short dimension's stays in L2. dW [V, H] walks
     H fastest: row-blocks-first re-read all of a chunk's dZ from memory once per column block (16 times at
     H = 4096 on 256-wide tiles). Speed only: the order of the tiles does not touch a product's bits."""
-    return -(-m // tile_m) <= -(-n // tile_n)
+    return cdiv(m, tile_m) <= cdiv(n, tile_n)
 
 
 def gemm_items(m: int, n: int, slices: int, tile_m: int, tile_n: int) -> int:
     """The (tile, slice) work items of a gradient GEMM's [m, n] output on tile_m x tile_n tiles."""
-    return -(-m // tile_m) * -(-n // tile_n) * slices
+    return cdiv(m, tile_m) * cdiv(n, tile_n) * slices
 
 
 def waves(m: int, n: int, slices: int, tile_m: int, tile_n: int, processors: int) -> int:
     """Rounds of `processors` programs that the `gemm_items` of an [m, n] GEMM take."""
-    return -(-gemm_items(m, n, slices, tile_m, tile_n) // processors)
+    return cdiv(gemm_items(m, n, slices, tile_m, tile_n), processors)

@@ -1,5 +1,6 @@
 """Row bookkeeping shared by both engines, over a twin's `fce_core.arrays.Arrays` namespace `xp`: the
 valid-first order of the rows, the raw target logits, and the reduction scalars of the FLCE head."""
+from .plan import cdiv
 
 
 def valid_first(xp, y, ignore_index):
@@ -58,5 +59,5 @@ def tile_weights(xp, class_weights, tile_n):
     """The class weights summed per tile of `tile_n` columns (fixed pairwise order; the last tile padded with
     zeros): what the fused engine's merge needs for label smoothing (`merge_tiles`)."""
     vocab = class_weights.shape[0]
-    n_tiles = -(-vocab // tile_n)
+    n_tiles = cdiv(vocab, tile_n)
     return xp.pairwise_sum(xp.pad_to(class_weights, n_tiles * tile_n).reshape(n_tiles, tile_n))

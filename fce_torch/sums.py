@@ -15,6 +15,7 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
 from fce_core.config import PAIRWISE, PAIRWISE_INTERPRETER
+from fce_core.plan import cdiv
 
 from .kernels import fastmath as fm
 
@@ -75,12 +76,12 @@ def pairwise_sum(x, cfg=None, out=None):
     v = x.reshape(-1, n)  # a view wherever the leading axes collapse (the dX planes' permutation does)
     while n > 1:
         width = min(1 << (n - 1).bit_length(), cfg.block_cols)
-        n_out = triton.cdiv(n, width)
+        n_out = cdiv(n, width)
         rows = max(1, min(v.shape[0], cfg.block // width))
         rows = 1 << (rows.bit_length() - 1)
         into_out = n_out == 1 and out is not None
         level = out.view(-1, 1) if into_out else torch.empty(v.shape[0], n_out, device=x.device, dtype=x.dtype)
-        _pairwise_sum_kernel[(triton.cdiv(v.shape[0], rows), n_out)](
+        _pairwise_sum_kernel[(cdiv(v.shape[0], rows), n_out)](
             v, level, v.shape[0], n, v.stride(0), v.stride(1), n_out, BR=rows, BW=width,
             LOG2_BW=width.bit_length() - 1, ASM=fm.ASM, num_warps=cfg.num_warps)
         v, n = level, n_out

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from fce_core.config import PAIRS
+from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LN2, LOG2E
@@ -112,7 +113,7 @@ def pairs(sums, counts, y, scalars, opt, cfg=PAIRS):
            "scale": torch.empty(y.shape[0], device=dev, dtype=torch.float32)}
     if n_pairs == 0:
         return out
-    _cpo_pair_kernel[(triton.cdiv(n_pairs, cfg.block_pairs),)](
+    _cpo_pair_kernel[(cdiv(n_pairs, cfg.block_pairs),)](
         sums, counts, y, scalars, out["pair_loss"], out["logp"], out["reward"], out["scale"],
         n_pairs, opt.seq_len, opt.ignore_index, opt.beta, 1.0 - opt.label_smoothing, opt.label_smoothing,
         opt.simpo_gamma / opt.beta, 0.5 / opt.beta, opt.alpha, LOSS_TYPE=opt.loss_code,

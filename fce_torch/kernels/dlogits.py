@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fce_core.plan import cdiv
+
 from . import fastmath as fm
 from .fastmath import LOG2E
 from .row_stats import logit_transform, row_pass
@@ -109,7 +111,7 @@ def dlogits(z, dz, bias, y, class_weights, coef, *, transform, asm, cfg=None):
     if n == 0:
         return
     entropy = "d" in coef
-    _dlogits_kernel[(triton.cdiv(n, cfg.block_rows),)](
+    _dlogits_kernel[(cdiv(n, cfg.block_rows),)](
         z, z.stride(0), dz, dz.stride(0), bias if bias is not None else z, y,
         class_weights if class_weights is not None else z, coef["lse"], coef["a"], coef["b"], coef["c"],
         coef["d"] if entropy else z, coef["mu"] if entropy else z,
@@ -127,7 +129,7 @@ def scale_rows(a, scale, out=None, cfg=None):
     out = a if out is None else out
     n, V = a.shape
     if n:
-        _scale_rows_kernel[(triton.cdiv(n, cfg.block_rows), triton.cdiv(V, cfg.block_v))](
+        _scale_rows_kernel[(cdiv(n, cfg.block_rows), cdiv(V, cfg.block_v))](
             a, a.stride(0), out, out.stride(0), scale, n, V, BR=cfg.block_rows, BV=cfg.block_v, ASM=fm.ASM,
             num_warps=cfg.num_warps)
     return out
@@ -142,6 +144,6 @@ def accumulate_bias_grad(dz, db, scale=None, rows=None, cfg=None):
     n = dz.shape[0] if rows is None else rows
     if n == 0:
         return
-    _bias_grad_kernel[(triton.cdiv(V, cfg.block_v),)](dz, dz.stride(0), db, dz if scale is None else scale, n, V,
+    _bias_grad_kernel[(cdiv(V, cfg.block_v),)](dz, dz.stride(0), db, dz if scale is None else scale, n, V,
                                                       BV=cfg.block_v, HAS_SCALE=scale is not None, ASM=fm.ASM,
                                                       num_warps=cfg.num_warps)

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from fce_core.config import HEAD
+from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LN2, LOG2E
@@ -99,7 +100,7 @@ def flce_head(stats, y, w_y, g, g_lse, scalars, *, opt, vocab, asm=fm.ASM, cfg=H
     if n == 0:
         return out
     eps, q = float(opt.label_smoothing), stats.get("q")
-    _flce_head_kernel[(triton.cdiv(n, cfg.block),)](
+    _flce_head_kernel[(cdiv(n, cfg.block),)](
         m, stats["s"], stats["zy"], m if q is None else q, stats["amax"], y, m if w_y is None else w_y,
         m if g is None else g, m if g_lse is None else g_lse, scalars, *(out[k] for k in ROW_OUTPUTS),
         n, vocab, opt.ignore_index, 1.0 - eps, eps / vocab, float(opt.z_loss), 2.0 * float(opt.z_loss),

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH_TALL
 from fce_core.heads import TileValues
-from fce_core.plan import dx_slices, gemm_items, rows_fast, waves
+from fce_core.plan import cdiv, dx_slices, gemm_items, rows_fast, waves
 
 from . import fastmath as fm
 from .dlogits import row_coefficients
@@ -213,7 +213,7 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     else:
         values, tile_n = (b,) * 6 + (0, 0, 0), 1
     a, b = a[:k] if a_t else a[:m], b[:k]
-    slice_k = triton.cdiv(triton.cdiv(k, slices), cfg.tile_k) * cfg.tile_k
+    slice_k = cdiv(cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
     (aa, bb), tma = descriptors([(a, a_block), (b, (cfg.tile_k, cfg.tile_n))], cfg)
     outs = [c] if lo is None else [c, lo]

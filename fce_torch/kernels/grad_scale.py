@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from fce_core.config import GRAD_SCALE
+from fce_core.plan import cdiv
 
 from . import fastmath as fm
 
@@ -39,7 +40,7 @@ def as_grad(grad, dtype, g=None, cfg=GRAD_SCALE):
     out = torch.empty(grad.shape, device=grad.device, dtype=dtype)
     n = grad.numel()
     if n:
-        _scale_cast_kernel[(triton.cdiv(n, cfg.block),)](grad.contiguous(), out, g.to(torch.float32).reshape(1),
+        _scale_cast_kernel[(cdiv(n, cfg.block),)](grad.contiguous(), out, g.to(torch.float32).reshape(1),
                                                         n, BLOCK=cfg.block, ASM=fm.ASM, num_warps=cfg.num_warps)
     return out
 
@@ -49,7 +50,7 @@ def scale_in_place(grad, g, cfg=GRAD_SCALE):
     contiguous grad that nothing reads afterwards. Returns grad."""
     n = grad.numel()
     if n:
-        blocks = triton.cdiv(n, cfg.block)
+        blocks = cdiv(n, cfg.block)
         _scale_in_place_kernel[(min(blocks, cfg.max_programs or blocks),)](
             grad, g.to(torch.float32).reshape(1), n, BLOCK=cfg.block, ASM=fm.ASM, num_warps=cfg.num_warps)
     return grad

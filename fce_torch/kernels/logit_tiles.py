@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from fce_core.config import GEMM, GEMM_INTERPRETER, TILE_ROWS
+from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LOG2E
@@ -208,7 +209,7 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
     cfg = gemm_config(cfg)
     n, hidden = x.shape
     V = w.shape[0]
-    n_tiles = triton.cdiv(V, cfg.tile_n)
+    n_tiles = cdiv(V, cfg.tile_n)
     e = out if out is not None else x.new_empty((n, V)) if store else None
     parts = {k: x.new_empty((n, n_tiles), dtype=torch.int32 if k == "amax" else F32)
              for k, on in (("m", 1), ("s", 1), ("amax", 1), ("zy", 1), ("q", spec.q), ("pz", spec.pz)) if on}
@@ -217,7 +218,7 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
     m = parts["m"]
     (xa, wa), tma = descriptors([(x, (cfg.tile_m, cfg.tile_k)), (w, (cfg.tile_n, cfg.tile_k))], cfg)
     (ea,), e_desc = descriptors([(e, (cfg.tile_m, cfg.tile_n // 2))], cfg) if e is not None else ([x], False)
-    _logit_tiles_kernel[(programs(triton.cdiv(n, cfg.tile_m) * n_tiles, cfg, x.device),)](
+    _logit_tiles_kernel[(programs(cdiv(n, cfg.tile_m) * n_tiles, cfg, x.device),)](
         xa, wa, bias if bias is not None else x, y_safe, class_weights if class_weights is not None else m,
         ea, 0 if e is None else e.stride(0), m, parts["s"], parts["amax"], parts["zy"],
         parts.get("q", m), parts.get("pz", m), n, V, hidden, n_tiles, float(transform.softcap or 1.0),
@@ -248,7 +249,7 @@ def merge_tiles(parts, vocab, tile_weights=None, cfg=None, zy=None):
     # loop over blocks.
     rows, block = (TILE_ROWS.block, 128) if fm.ASM else (64, 16)
     if n:
-        _merge_tiles_kernel[(triton.cdiv(n, rows),)](
+        _merge_tiles_kernel[(cdiv(n, rows),)](
             m_t, parts["s"], parts.get("q", m_t), parts.get("pz", m_t), parts["amax"], parts["zy"],
             tile_weights if tile_weights is not None else m_t, stats["m"], stats["zy"], stats["amax"], units["s"],
             units.get("q", m_t), units.get("pz", m_t), n, n_tiles, vocab, ZY_TILES=zy is None, HAS_Q="q" in parts,

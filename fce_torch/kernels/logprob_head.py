@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from fce_core.config import HEAD
+from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LN2
@@ -60,7 +61,7 @@ def logprob_head(stats, y, g, h, *, ignore_index, vocab, asm=fm.ASM, cfg=HEAD):
     out = {k: torch.empty(n, device=m.device, dtype=torch.float32) for k in ROW_OUTPUTS}
     pz = stats.get("pz")
     if n:
-        _logprob_head_kernel[(triton.cdiv(n, cfg.block),)](
+        _logprob_head_kernel[(cdiv(n, cfg.block),)](
             m, stats["s"], stats["zy"], m if pz is None else pz, y, m if g is None else g, m if h is None else h,
             *(out[k] for k in ROW_OUTPUTS), n, vocab, ignore_index, HAS_PZ=pz is not None, HAS_G=g is not None,
             HAS_H=h is not None, BLOCK=cfg.block, ASM=asm, num_warps=cfg.num_warps)

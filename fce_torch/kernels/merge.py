@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from fce_core.config import HEAD
+from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LOG2E
@@ -54,7 +55,7 @@ def merge(parts, offsets, cfg=HEAD):
     out = {k: torch.empty(n, device=v.device, dtype=v.dtype) for k, v in parts.items()}
     if n:
         m = parts["m"]
-        _merge_kernel[(triton.cdiv(n, cfg.block),)](
+        _merge_kernel[(cdiv(n, cfg.block),)](
             m, parts["s"], parts["amax"], parts.get("q", m), parts.get("pz", m), offsets,
             out["m"], out["s"], out["amax"], out.get("q", out["m"]), out.get("pz", out["m"]), n,
             P=n_shards, HAS_Q="q" in parts, HAS_PZ="pz" in parts, BLOCK=cfg.block, ASM=fm.ASM,

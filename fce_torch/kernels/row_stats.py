@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from fce_core.config import ROW_PASS, ROW_PASS_INTERPRETER_TORCH
+from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LOG2E
@@ -109,7 +110,7 @@ def row_stats(z, bias, r_y, class_weights, *, spec, transform, asm, cfg=None):
             out[name] = torch.empty(n, cfg.block_v, device=dev, dtype=torch.float32)
     if n == 0:
         return out
-    _row_stats_kernel[(triton.cdiv(n, cfg.block_rows),)](
+    _row_stats_kernel[(cdiv(n, cfg.block_rows),)](
         z, z.stride(0), bias if bias is not None else z, r_y, class_weights if class_weights is not None else z,
         out["m"], out["zy"], out["amax"], out["s"], out.get("q", out["s"]), out.get("pz", out["s"]),
         n, V, float(transform.softcap or 1.0), float(transform.temperature),

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from fce_core.config import TILE_ROWS
+from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LN2, LOG2E
@@ -88,7 +89,7 @@ def tile_dlogits(e, m_tiles, y, zy, class_weights, coef, *, transform, cfg=None)
         return
     tile_n = gemm_config(cfg).tile_n
     entropy = "d" in coef
-    _tile_dlogits_kernel[(triton.cdiv(n, TILE_ROWS.block), triton.cdiv(V, tile_n))](
+    _tile_dlogits_kernel[(cdiv(n, TILE_ROWS.block), cdiv(V, tile_n))](
         e, e.stride(0), m_tiles, y, zy, class_weights if class_weights is not None else zy, coef["lse"], coef["a"],
         coef["b"], coef["c"], coef["d"] if entropy else zy, coef["mu"] if entropy else zy, n, V, m_tiles.shape[1],
         float(transform.softcap or 1.0), float(transform.temperature), HAS_SOFTCAP=transform.softcap is not None,
