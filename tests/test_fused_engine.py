@@ -866,14 +866,16 @@ def _same_bits(a, b):
 
 @pytest.mark.parametrize("dtype, hidden", [("bfloat16", 144), ("float16", 64)])
 def test_jax_mosaic_grad_gemms(dtype, hidden):
-    """The JAX twin's Mosaic GPU dX and dW kernels (GradGemmConfig.mosaic, run in Mosaic GPU's interpret mode):
-    dX over several V slices and in one, dW written, and dW accumulated over two chunks (the (hi, lo) pair for
-    bfloat16, float32 for float16). On exact-sum operands each is bit for bit the exact result rounded as the
-    contract says, as are the Pallas Triton kernels and fce_torch's; also with 256-wide tiles, whose loaded C
-    blocks (ADD, PAIR) outnumber the two shared-memory slots. The last accumulation (`last=True`) gives the
-    same dW, a pair's hi, without writing its lo (fce_torch's lo keeps dw_first's bits). Ragged everywhere: 37
-    rows, V = 296 (K not a multiple of tile_k; rows still of whole 16 bytes, as TMA needs, the int8 lo plane's
-    too), H = 144 (not a multiple of tile_n), chunks of 20 and 17 rows (dW's K)."""
+    """The JAX twin's Mosaic GPU dX and dW kernels (GradGemmConfig.mosaic, run in Mosaic GPU's interpret mode): dX over
+    several V slices and in one, dW written, and dW accumulated over two chunks (the (hi, lo) pair for bfloat16,
+    float32 for float16). On exact-sum operands each is bit for bit the exact result rounded as the contract says,
+    as are the Pallas Triton kernels and fce_torch's; also with 256-wide tiles, whose loaded C blocks (ADD, PAIR)
+    outnumber the two shared-memory slots, and with the compute warpgroups in turns (`pingpong`, dX of one slice and
+    dW: 64-row tiles alternating between them, 2 to 13 K steps each on rings of 2 stages that wrap, and 12 or 13
+    tiles per program, so that either warpgroup may end with the last turn). The last accumulation (`last=True`)
+    gives the same dW, a pair's hi, without writing its lo (fce_torch's lo keeps dw_first's bits). Ragged
+    everywhere: 37 rows, V = 296 (K not a multiple of tile_k; rows still of whole 16 bytes, as TMA needs, the int8
+    lo plane's too), H = 144 (not a multiple of tile_n), chunks of 20 and 17 rows (dW's K)."""
     import jax.numpy as jnp
 
     from fce_core.config import GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC_INTERPRETER
@@ -914,7 +916,9 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
     if lo_before is not None:
         assert torch.equal(first[1], lo_before)
     wide = dataclasses.replace(GRAD_GEMM_MOSAIC_INTERPRETER, tile_n=256)  # 4 loaded blocks: slots refilled
+    pingpong = dataclasses.replace(GRAD_GEMM_MOSAIC_INTERPRETER, pingpong=True, num_stages=2)
     runs = {"jax mosaic": jax_run(GRAD_GEMM_MOSAIC_INTERPRETER), "jax mosaic wide": jax_run(wide),
+            "jax mosaic pingpong": jax_run(pingpong),
             "jax triton": jax_run(GRAD_GEMM_INTERPRETER),
             "torch": {"dx": tg.dx_gemm(dz, w, torch.empty(n, hidden, dtype=dt)),
                       "dx_one_slice": tg.dx_gemm(dz[:, :200].contiguous(), w[:200],
@@ -1066,15 +1070,19 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
     def lowered(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    for n, h, v in ((1024, 4096, 128256), (256, 4096, 128256), (1000, 640, 262144)):
-        dz, w, x, acc = s((n, v), bf), s((v, h), bf), s((n, h), bf), s((v, h), bf)
-        calls = [(lambda a, b: jg.dx_gemm(a, b, bf), dz, w),
-                 (lambda a, b: jg.dw_gemm(a, b, bf), dz, x),
-                 (lambda a, b: jg.dw_first(a, b, bf), dz, x),
-                 (lambda a, b, c, d: jg.dw_accumulate(a, b, (c, d)), dz, x, acc, s((v, h), jnp.int8)),
-                 (lambda a, b, c: jg.dw_accumulate(a, b, c), s((n, v), f16), s((n, h), f16), s((v, h), f32))]
-        for fn, *args in calls:
-            assert "mosaic_gpu" in lowered(fn, *args)
+    # the default launch, then the compute warpgroups in turns (`pingpong`, which takes the unsliced GEMMs)
+    for c, shapes in ((None, ((1024, 4096, 128256), (256, 4096, 128256), (1000, 640, 262144))),
+                      (dataclasses.replace(cfg, pingpong=True), ((1024, 4096, 128256), (1000, 640, 262144)))):
+        for n, h, v in shapes:
+            dz, w, x, acc = s((n, v), bf), s((v, h), bf), s((n, h), bf), s((v, h), bf)
+            calls = [(lambda a, b: jg.dx_gemm(a, b, bf, cfg=c), dz, w),
+                     (lambda a, b: jg.dw_gemm(a, b, bf, cfg=c), dz, x),
+                     (lambda a, b: jg.dw_first(a, b, bf, cfg=c), dz, x),
+                     (lambda a, b, d, e: jg.dw_accumulate(a, b, (d, e), cfg=c), dz, x, acc, s((v, h), jnp.int8)),
+                     (lambda a, b, d: jg.dw_accumulate(a, b, d, cfg=c), s((n, v), f16), s((n, h), f16),
+                      s((v, h), f32))]
+            for fn, *args in calls:
+                assert "mosaic_gpu" in lowered(fn, *args)
     # under shard_map(check_vma=True), as the vocab-parallel engine runs them: outputs typed for it
     mesh, rep = jax.make_mesh((1,), ("model",)), jax.sharding.PartitionSpec()
     dz, w = s((256, 1024), bf), s((1024, 64), bf)

@@ -46,15 +46,17 @@ VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
     dict(tma=True, tile_n=128, num_warps=8))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
     {}, dict(flatten=False), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=False))]
-# the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, and 128x256)
-JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256)]
+# the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, 128x256, and the
+# two compute warpgroups in turns on 128x128 tiles where K is not sliced)
+JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256),
+                     dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True)]
 
 
 def _tag(cfg):
     return (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
             + " tma" * cfg.tma + " persistent" * cfg.persistent + " flatten" * cfg.flatten
             + f" {cfg.programs_per_sm}/sm" * (cfg.persistent and cfg.programs_per_sm > 1)
-            + " mosaic" * getattr(cfg, "mosaic", False))
+            + " mosaic" * getattr(cfg, "mosaic", False) + " pingpong" * getattr(cfg, "pingpong", False))
 
 
 def grad_rows(n, h, v):

@@ -2,6 +2,11 @@
 (`GradGemmConfig.mosaic`, the JAX twin's default for them on the GPU): the same K-ascending products and
 epilogues (WRITE, ADD, the (hi, lo) PAIR), so the same bits, with TMA loads, a warp-specialized wgmma pipeline
 and persistent programs. Launches: `mgpu.py`.
+
+Two schedules: `_kernel`, whose two compute warpgroups split each tile's rows and run its epilogue together
+(the tensor cores idle meanwhile), and `_pingpong_kernel` (`GradGemmConfig.pingpong`, opt-in where K is not
+sliced, not yet run on a GPU), whose warpgroups take tiles in turns, so that one's epilogue (the (hi, lo) pair's
+reads and writes, above all) runs under the other's products.
 """
 import functools
 
@@ -34,7 +39,6 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
     n_m, n_n = pl.cdiv(m, cfg.tile_m), pl.cdiv(n, bn)
     tiles = n_m * n_n
     planes = c_gmem[0].ndim == 3
-    loads = _reads_c(mode, first)
     dtype = a_gmem.dtype
     a_block = (bk, cfg.tile_m) if a_t else (cfg.tile_m, bk)
     specs = [plgpu.BlockSpec(a_block, (lambda s: (s, 0)) if a_t else (lambda s: (0, s)),
@@ -46,13 +50,9 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
             body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=stages_, compute_context=context)
 
-    blocks, (rows_e, cols_e), slots = _blocks(cfg, loads)
-    epi = [plgpu.SMEM((COMPUTE_WGS, slots, rows_e, cols_e), c.dtype, transforms=mgpu.transforms(cols_e, c.dtype))
-           for c in c_gmem]
     allocs = pipeline(None, None, pl.cdiv(slice_k, bk)).get_allocations(a_gmem, b_gmem)
 
-    @functools.partial(pl.run_scoped, allocs=allocs, epi=epi,
-                       bars=plgpu.Barrier(num_barriers=COMPUTE_WGS * slots * len(c_gmem)), collective_axes="wg")
+    @functools.partial(pl.run_scoped, allocs=allocs, **_c_scratch(c_gmem, cfg, mode, first), collective_axes="wg")
     def _scope(allocs, epi, bars):
         wg = lax.axis_index("wg")
 
@@ -76,41 +76,169 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
                 return acc
 
             def context(run):
-                def dst(b):  # block b's part of C in global memory
-                    i, j = blocks[b]
-                    out = pl.ds(r0 + wg * bm + i * rows_e, rows_e), pl.ds(c0 + j * cols_e, cols_e)
-                    return [c.at[(sl, *out)] if planes else c.at[out] for c in c_gmem]
-
-                def smem(b):
-                    return [s_.at[wg, b % slots] for s_ in epi]
-
-                def ready(b):  # the barriers of block b's loads
-                    return [bars.at[(wg * slots + b % slots) * len(c_gmem) + i] for i in range(len(c_gmem))]
-
-                def load(b):
-                    for d, s_, b_ in zip(dst(b), smem(b), ready(b)):
-                        plgpu.copy_gmem_to_smem(d, s_, b_)
-
-                if loads:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores have left the slots
-                    for b in range(min(slots, len(blocks))):
-                        load(b)
+                c_tile = _CTile(c_gmem, epi, bars, wg, r0 + wg * bm, c0, sl if planes else None, cfg, mode, first)
+                c_tile.prefetch()
 
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bn), F32))
                 def _acc(acc):
                     run(acc)
-                    total = acc[...]
-                    for b, (i, j) in enumerate(blocks):
-                        part = total[i * rows_e:(i + 1) * rows_e, j * cols_e:(j + 1) * cols_e]
-                        _epilogue(part, dst(b), smem(b), ready(b) if loads else None, mode, first)
-                        if loads and b + slots < len(blocks):
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # block b's stores left its slot
-                            load(b + slots)
+                    c_tile.finish(acc[...])
 
             a_src = a_gmem.at[ks, rows] if a_t else a_gmem.at[rows, ks]
             pipeline(mma, context, steps)(a_src, b_gmem.at[ks, cols], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, stages_):
+    """`_kernel` where K is not sliced, on tiles of cfg.tile_m / 2 x cfg.tile_n that the two compute
+    warpgroups take in turns (`GradGemmConfig.pingpong`): a block's items alternate between them, each
+    warpgroup's on a ring of shared-memory stages of its own that the memory warpgroup fills in the items'
+    order, and a warpgroup runs its K loop only once the other's has ended (the `turn` barriers), so that its
+    epilogue runs while the other's wgmma keeps the tensor cores busy. Each output element takes the same
+    K-ascending products and epilogue as in `_kernel`: the same bits."""
+    bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
+    n_m, n_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
+    steps = pl.cdiv(k, bk)
+    dtype = a_gmem.dtype
+    a_block = (bk, bm) if a_t else (bm, bk)
+    rings = dict(
+        a_smem=plgpu.SMEM((COMPUTE_WGS, stages_, *a_block), dtype, transforms=mgpu.transforms(a_block[1], dtype)),
+        b_smem=plgpu.SMEM((COMPUTE_WGS, stages_, bk, bn), dtype, transforms=mgpu.transforms(bn, dtype)),
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS * stages_),  # A's and B's copies
+        consumed=plgpu.Barrier(num_barriers=COMPUTE_WGS * stages_),
+        turn=plgpu.Barrier(num_barriers=COMPUTE_WGS))
+
+    @functools.partial(pl.run_scoped, **rings, **_c_scratch(c_gmem, cfg, mode, first), collective_axes="wg")
+    def _scope(a_smem, b_smem, loaded, consumed, turn, epi, bars):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _():
+            plgpu.set_max_registers(232, action="increase")
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+
+        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))  # the first K loop is the first warpgroup's
+
+        @plgpu.nd_loop((n_m * n_n,), collective_axes="sm")
+        def _item(info):
+            (tile,) = info.index
+            if rows_fast(m, n, bm, bn):
+                r0, c0 = lax.rem(tile, n_m) * bm, lax.div(tile, n_m) * bn
+            else:
+                r0, c0 = lax.div(tile, n_n) * bm, lax.rem(tile, n_n) * bn
+            owner = lax.rem(info.local_index, COMPUTE_WGS)
+            first_step = lax.div(info.local_index, COMPUTE_WGS) * steps  # of the owner's ring, over its items
+
+            def stage(s):  # K step s's place on the owner's ring: (its count, its slot, the slot's barriers)
+                ring_step = first_step + s
+                slot = lax.rem(ring_step, stages_)
+                return ring_step, slot, owner * stages_ + slot
+
+            @pl.when(wg == COMPUTE_WGS)
+            def _load():
+                @pl.loop(0, steps)
+                def _step(s):
+                    ring_step, slot, at = stage(s)
+                    pl.when(ring_step >= stages_)(lambda: plgpu.barrier_wait(consumed.at[at]))
+                    ks = pl.ds(s * bk, bk)
+                    a_src = a_gmem.at[ks, pl.ds(r0, bm)] if a_t else a_gmem.at[pl.ds(r0, bm), ks]
+                    plgpu.copy_gmem_to_smem(a_src, a_smem.at[owner, slot], loaded.at[at])
+                    plgpu.copy_gmem_to_smem(b_gmem.at[ks, pl.ds(c0, bn)], b_smem.at[owner, slot], loaded.at[at])
+
+            @pl.when(wg == owner)
+            def _compute():
+                c_tile = _CTile(c_gmem, epi, bars, wg, r0, c0, None, cfg, mode, first)
+                c_tile.prefetch()
+                plgpu.barrier_wait(turn.at[wg])
+
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bn), F32))
+                def _acc(acc):
+                    @pl.loop(0, steps)
+                    def _step(s):
+                        _, slot, at = stage(s)
+                        plgpu.barrier_wait(loaded.at[at])
+                        a = plgpu.transpose_ref(a_smem.at[wg, slot], (1, 0)) if a_t else a_smem.at[wg, slot]
+                        plgpu.wgmma(acc, a, b_smem.at[wg, slot])
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(consumed.at[at])
+
+                    plgpu.barrier_arrive(turn.at[1 - wg])
+                    c_tile.finish(acc[...])
+
+        # Every waiter observes every phase of what it waits on (barrier phases are parities): the loads'
+        # releases that no later load waited for, and the other warpgroup's last turn.
+        programs, program = lax.axis_size("sm"), lax.axis_index("sm")
+        local = lax.div(n_m * n_n - program + programs - 1, programs)
+        items = [lax.div(local + 1 - w, COMPUTE_WGS) for w in range(COMPUTE_WGS)]
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _drain():
+            for w in range(COMPUTE_WGS):
+                for slot in range(stages_):
+                    pl.when(items[w] * steps > slot)(lambda at=w * stages_ + slot: plgpu.barrier_wait(consumed.at[at]))
+
+        for w in range(COMPUTE_WGS):
+            turns = 1 + items[1] if w == 0 else items[0]  # arrivals on turn[w]; the first is the kernel's own
+            pl.when((wg == w) & (turns > items[w]))(lambda w=w: plgpu.barrier_wait(turn.at[w]))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _c_scratch(c_gmem, cfg, mode, first):
+    """The epilogue's shared memory and barriers (`_CTile`): per compute warpgroup, `_blocks`' slots of every
+    plane of C, and a barrier per slot and plane for C's loads."""
+    _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
+    return dict(epi=[plgpu.SMEM((COMPUTE_WGS, slots, rows_e, cols_e), c.dtype,
+                                transforms=mgpu.transforms(cols_e, c.dtype)) for c in c_gmem],
+                bars=plgpu.Barrier(num_barriers=COMPUTE_WGS * slots * len(c_gmem)))
+
+
+class _CTile:
+    """One compute warpgroup's tile of C (tile_m / 2 rows from `row0`, tile_n columns from `col0`; `plane`: the
+    K slice's plane of 3-d C, or None), through its `_blocks`: `prefetch` loads the first blocks that the
+    epilogue reads (ADD, PAIR) before the K loop, `finish` takes the float32 product and writes each block,
+    loading a later block as soon as the store two blocks before it has left its slot."""
+
+    def __init__(self, c_gmem, epi, bars, wg, row0, col0, plane, cfg, mode, first):
+        self.c_gmem, self.epi, self.bars, self.wg, self.row0, self.col0, self.plane = (c_gmem, epi, bars, wg, row0,
+                                                                                       col0, plane)
+        self.mode, self.first, self.loads = mode, first, _reads_c(mode, first)
+        self.blocks, (self.rows_e, self.cols_e), self.slots = _blocks(cfg, self.loads)
+
+    def dst(self, b):  # block b's part of C in global memory
+        i, j = self.blocks[b]
+        out = pl.ds(self.row0 + i * self.rows_e, self.rows_e), pl.ds(self.col0 + j * self.cols_e, self.cols_e)
+        return [c.at[out] if self.plane is None else c.at[(self.plane, *out)] for c in self.c_gmem]
+
+    def smem(self, b):
+        return [s_.at[self.wg, b % self.slots] for s_ in self.epi]
+
+    def ready(self, b):  # the barriers of block b's loads
+        base = (self.wg * self.slots + b % self.slots) * len(self.c_gmem)
+        return [self.bars.at[base + i] for i in range(len(self.c_gmem))]
+
+    def load(self, b):
+        for d, s_, b_ in zip(self.dst(b), self.smem(b), self.ready(b)):
+            plgpu.copy_gmem_to_smem(d, s_, b_)
+
+    def prefetch(self):
+        if self.loads:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores have left the slots
+            for b in range(min(self.slots, len(self.blocks))):
+                self.load(b)
+
+    def finish(self, total):
+        rows_e, cols_e = self.rows_e, self.cols_e
+        for b, (i, j) in enumerate(self.blocks):
+            part = total[i * rows_e:(i + 1) * rows_e, j * cols_e:(j + 1) * cols_e]
+            _epilogue(part, self.dst(b), self.smem(b), self.ready(b) if self.loads else None, self.mode, self.first)
+            if self.loads and b + self.slots < len(self.blocks):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # block b's stores left its slot
+                self.load(b + self.slots)
 
 
 def _reads_c(mode, first):
@@ -171,9 +299,15 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg, 
     _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
     epilogue_bytes = sum(COMPUTE_WGS * slots * rows_e * cols_e * jnp.dtype(o.dtype).itemsize for o in planes)
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
-    items = gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n)
-    body = functools.partial(_kernel, m=m, n=n, k=k, slice_k=slice_k, slices=slices, a_t=a_t, mode=mode,
-                             first=first, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, epilogue_bytes))
+    if cfg.pingpong and slices == 1:  # a ring per compute warpgroup: twice the stages' bytes
+        per_stage = COMPUTE_WGS * (cfg.tile_m // COMPUTE_WGS + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
+        items = gemm_items(m, n, 1, cfg.tile_m // COMPUTE_WGS, cfg.tile_n)
+        body = functools.partial(_pingpong_kernel, m=m, n=n, k=k, a_t=a_t, mode=mode, first=first, cfg=cfg,
+                                 stages_=mgpu.stages(cfg, per_stage, epilogue_bytes))
+    else:
+        items = gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n)
+        body = functools.partial(_kernel, m=m, n=n, k=k, slice_k=slice_k, slices=slices, a_t=a_t, mode=mode,
+                                 first=first, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, epilogue_bytes))
     given = [o for o in outs if not isinstance(o, jax.ShapeDtypeStruct)]
     launch = functools.partial(mgpu.kernel, body, programs=mgpu.programs(items), compute_threads=COMPUTE_WGS)
     if not given:
