@@ -122,8 +122,9 @@ class GradGemmConfig:
     flatten: bool = False  # as GemmConfig's (fce_torch), where K is not sliced and C is not added to
     programs_per_sm: int = 1  # as GemmConfig's (fce_torch)
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
-    # With `mosaic`, where K is not sliced: the two compute warpgroups take tiles of tile_m / 2 x tile_n in turns,
-    # one's epilogue under the other's wgmma (grad_gemms_mgpu's `_pingpong_kernel`); opt-in, not run on a GPU yet
+    # With `mosaic`, where K is not sliced: the two compute warpgroups take tiles of tile_m / 2 x tile_n in turns
+    # off one ring of stages, one's epilogue under the other's wgmma (grad_gemms_mgpu's `_pingpong_kernel`);
+    # opt-in, not run on a GPU yet
     pingpong: bool = False
     # dZ formed from the logits GEMM's tile values on the dX / dW GEMMs' operand load, where the head's dZ is
     # that `fce_core.heads.forms_dz_on_load` admits (no pass over the [rows, V] values): the same values, speed only

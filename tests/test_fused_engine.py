@@ -871,11 +871,11 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
     float32 for float16). On exact-sum operands each is bit for bit the exact result rounded as the contract says,
     as are the Pallas Triton kernels and fce_torch's; also with 256-wide tiles, whose loaded C blocks (ADD, PAIR)
     outnumber the two shared-memory slots, and with the compute warpgroups in turns (`pingpong`, dX of one slice and
-    dW: 64-row tiles alternating between them, 2 to 13 K steps each on rings of 2 stages that wrap, and 12 or 13
-    tiles per program, so that either warpgroup may end with the last turn). The last accumulation (`last=True`)
-    gives the same dW, a pair's hi, without writing its lo (fce_torch's lo keeps dw_first's bits). Ragged
-    everywhere: 37 rows, V = 296 (K not a multiple of tile_k; rows still of whole 16 bytes, as TMA needs, the int8
-    lo plane's too), H = 144 (not a multiple of tile_n), chunks of 20 and 17 rows (dW's K)."""
+    dW: 64-row tiles alternating between them, 2 to 13 K steps each off one ring of 2 stages that wraps, up to 13
+    tiles per program). The last accumulation (`last=True`) gives the same dW, a pair's hi, without writing its lo
+    (fce_torch's lo keeps dw_first's bits). Ragged everywhere: 37 rows, V = 296 (K not a multiple of tile_k; rows
+    still of whole 16 bytes, as TMA needs, the int8 lo plane's too), H = 144 (not a multiple of tile_n), chunks of
+    20 and 17 rows (dW's K)."""
     import jax.numpy as jnp
 
     from fce_core.config import GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC_INTERPRETER

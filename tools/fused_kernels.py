@@ -47,9 +47,9 @@ VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
     {}, dict(flatten=False), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=False))]
 # the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, 128x256, and the
-# two compute warpgroups in turns on 128x128 tiles where K is not sliced)
+# two compute warpgroups in turns on 128x128 tiles where K is not sliced, off a ring of up to 5 stages)
 JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256),
-                     dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True)]
+                     dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, num_stages=5)]
 
 
 def _tag(cfg):

@@ -5,8 +5,8 @@ and persistent programs. Launches: `mgpu.py`.
 
 Two schedules: `_kernel`, whose two compute warpgroups split each tile's rows and run its epilogue together
 (the tensor cores idle meanwhile), and `_pingpong_kernel` (`GradGemmConfig.pingpong`, opt-in where K is not
-sliced, not yet run on a GPU), whose warpgroups take tiles in turns, so that one's epilogue (the (hi, lo) pair's
-reads and writes, above all) runs under the other's products.
+sliced, not yet run on a GPU), whose warpgroups take tiles in turns off one ring of stages, so that one's
+epilogue (the (hi, lo) pair's reads and writes, above all) runs under the other's products.
 """
 import functools
 
@@ -92,25 +92,25 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
 
 def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, stages_):
     """`_kernel` where K is not sliced, on tiles of cfg.tile_m / 2 x cfg.tile_n that the two compute
-    warpgroups take in turns (`GradGemmConfig.pingpong`): a block's items alternate between them, each
-    warpgroup's on a ring of shared-memory stages of its own that the memory warpgroup fills in the items'
-    order, and a warpgroup runs its K loop only once the other's has ended (the `turn` barriers), so that its
-    epilogue runs while the other's wgmma keeps the tensor cores busy. Each output element takes the same
-    K-ascending products and epilogue as in `_kernel`: the same bits."""
+    warpgroups take in turns (`GradGemmConfig.pingpong`): a block's tiles alternate between them, and the memory
+    warpgroup fills one ring of shared-memory stages with their K steps in the tiles' order, each stage's
+    arrival signalled on a barrier of its owner's (barrier phases are parities, so a warpgroup waits on every
+    phase of its own barriers and no other's). The next tile's products start as soon as its stages arrive,
+    while this tile's owner runs its epilogue: the tensor cores stay busy through it. Each output element takes
+    the same K-ascending products and epilogue as in `_kernel`: the same bits."""
     bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
     n_m, n_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
     steps = pl.cdiv(k, bk)
     dtype = a_gmem.dtype
     a_block = (bk, bm) if a_t else (bm, bk)
-    rings = dict(
-        a_smem=plgpu.SMEM((COMPUTE_WGS, stages_, *a_block), dtype, transforms=mgpu.transforms(a_block[1], dtype)),
-        b_smem=plgpu.SMEM((COMPUTE_WGS, stages_, bk, bn), dtype, transforms=mgpu.transforms(bn, dtype)),
+    ring = dict(
+        a_smem=plgpu.SMEM((stages_, *a_block), dtype, transforms=mgpu.transforms(a_block[1], dtype)),
+        b_smem=plgpu.SMEM((stages_, bk, bn), dtype, transforms=mgpu.transforms(bn, dtype)),
         loaded=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS * stages_),  # A's and B's copies
-        consumed=plgpu.Barrier(num_barriers=COMPUTE_WGS * stages_),
-        turn=plgpu.Barrier(num_barriers=COMPUTE_WGS))
+        consumed=plgpu.Barrier(num_barriers=stages_))
 
-    @functools.partial(pl.run_scoped, **rings, **_c_scratch(c_gmem, cfg, mode, first), collective_axes="wg")
-    def _scope(a_smem, b_smem, loaded, consumed, turn, epi, bars):
+    @functools.partial(pl.run_scoped, **ring, **_c_scratch(c_gmem, cfg, mode, first), collective_axes="wg")
+    def _scope(a_smem, b_smem, loaded, consumed, epi, bars):
         wg = lax.axis_index("wg")
 
         @pl.when(wg < COMPUTE_WGS)
@@ -121,8 +121,6 @@ def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, st
         def _():
             plgpu.set_max_registers(40, action="decrease")
 
-        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))  # the first K loop is the first warpgroup's
-
         @plgpu.nd_loop((n_m * n_n,), collective_axes="sm")
         def _item(info):
             (tile,) = info.index
@@ -130,60 +128,51 @@ def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, st
                 r0, c0 = lax.rem(tile, n_m) * bm, lax.div(tile, n_m) * bn
             else:
                 r0, c0 = lax.div(tile, n_n) * bm, lax.rem(tile, n_n) * bn
-            owner = lax.rem(info.local_index, COMPUTE_WGS)
-            first_step = lax.div(info.local_index, COMPUTE_WGS) * steps  # of the owner's ring, over its items
 
-            def stage(s):  # K step s's place on the owner's ring: (its count, its slot, the slot's barriers)
-                ring_step = first_step + s
+            owner = lax.rem(info.local_index, COMPUTE_WGS)
+
+            def stage(s):  # K step s's count on the ring, its slot, and the owner's barrier for its arrival
+                ring_step = info.local_index * steps + s
                 slot = lax.rem(ring_step, stages_)
-                return ring_step, slot, owner * stages_ + slot
+                return ring_step, slot, loaded.at[owner * stages_ + slot]
 
             @pl.when(wg == COMPUTE_WGS)
             def _load():
                 @pl.loop(0, steps)
                 def _step(s):
-                    ring_step, slot, at = stage(s)
-                    pl.when(ring_step >= stages_)(lambda: plgpu.barrier_wait(consumed.at[at]))
+                    ring_step, slot, arrived = stage(s)
+                    pl.when(ring_step >= stages_)(lambda: plgpu.barrier_wait(consumed.at[slot]))
                     ks = pl.ds(s * bk, bk)
                     a_src = a_gmem.at[ks, pl.ds(r0, bm)] if a_t else a_gmem.at[pl.ds(r0, bm), ks]
-                    plgpu.copy_gmem_to_smem(a_src, a_smem.at[owner, slot], loaded.at[at])
-                    plgpu.copy_gmem_to_smem(b_gmem.at[ks, pl.ds(c0, bn)], b_smem.at[owner, slot], loaded.at[at])
+                    plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], arrived)
+                    plgpu.copy_gmem_to_smem(b_gmem.at[ks, pl.ds(c0, bn)], b_smem.at[slot], arrived)
 
             @pl.when(wg == owner)
             def _compute():
                 c_tile = _CTile(c_gmem, epi, bars, wg, r0, c0, None, cfg, mode, first)
                 c_tile.prefetch()
-                plgpu.barrier_wait(turn.at[wg])
 
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bn), F32))
                 def _acc(acc):
                     @pl.loop(0, steps)
                     def _step(s):
-                        _, slot, at = stage(s)
-                        plgpu.barrier_wait(loaded.at[at])
-                        a = plgpu.transpose_ref(a_smem.at[wg, slot], (1, 0)) if a_t else a_smem.at[wg, slot]
-                        plgpu.wgmma(acc, a, b_smem.at[wg, slot])
+                        _, slot, arrived = stage(s)
+                        plgpu.barrier_wait(arrived)
+                        a = plgpu.transpose_ref(a_smem.at[slot], (1, 0)) if a_t else a_smem.at[slot]
+                        plgpu.wgmma(acc, a, b_smem.at[slot])
                         plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[at])
+                        plgpu.barrier_arrive(consumed.at[slot])
 
-                    plgpu.barrier_arrive(turn.at[1 - wg])
                     c_tile.finish(acc[...])
 
-        # Every waiter observes every phase of what it waits on (barrier phases are parities): the loads'
-        # releases that no later load waited for, and the other warpgroup's last turn.
+        # the releases that no later load waited for: the memory warpgroup observes every phase too
         programs, program = lax.axis_size("sm"), lax.axis_index("sm")
-        local = lax.div(n_m * n_n - program + programs - 1, programs)
-        items = [lax.div(local + 1 - w, COMPUTE_WGS) for w in range(COMPUTE_WGS)]
+        filled = lax.div(n_m * n_n - program + programs - 1, programs) * steps
 
         @pl.when(wg == COMPUTE_WGS)
         def _drain():
-            for w in range(COMPUTE_WGS):
-                for slot in range(stages_):
-                    pl.when(items[w] * steps > slot)(lambda at=w * stages_ + slot: plgpu.barrier_wait(consumed.at[at]))
-
-        for w in range(COMPUTE_WGS):
-            turns = 1 + items[1] if w == 0 else items[0]  # arrivals on turn[w]; the first is the kernel's own
-            pl.when((wg == w) & (turns > items[w]))(lambda w=w: plgpu.barrier_wait(turn.at[w]))
+            for slot in range(stages_):
+                pl.when(filled > slot)(lambda at=slot: plgpu.barrier_wait(consumed.at[at]))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -299,8 +288,8 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg, 
     _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
     epilogue_bytes = sum(COMPUTE_WGS * slots * rows_e * cols_e * jnp.dtype(o.dtype).itemsize for o in planes)
     per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
-    if cfg.pingpong and slices == 1:  # a ring per compute warpgroup: twice the stages' bytes
-        per_stage = COMPUTE_WGS * (cfg.tile_m // COMPUTE_WGS + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
+    if cfg.pingpong and slices == 1:  # stages of a compute warpgroup's tile
+        per_stage = (cfg.tile_m // COMPUTE_WGS + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
         items = gemm_items(m, n, 1, cfg.tile_m // COMPUTE_WGS, cfg.tile_n)
         body = functools.partial(_pingpong_kernel, m=m, n=n, k=k, a_t=a_t, mode=mode, first=first, cfg=cfg,
                                  stages_=mgpu.stages(cfg, per_stage, epilogue_bytes))
