@@ -26,6 +26,8 @@ from .launch import typed
 COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
 EPILOGUE_ROWS = 64   # rows of a compute warpgroup's epilogue block in shared memory
 LOADED_COLS = 64     # columns of an epilogue block that C is loaded into (ADD, PAIR), two of them in flight
+MEMORY_REGISTERS = 40  # per thread of the memory warpgroup; the compute warpgroups share the rest of the register
+COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // COMPUTE_WGS // 8 * 8  # file, as emit_pipeline_warp_specialized does
 
 
 def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first, cfg, stages_):
@@ -36,8 +38,7 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
     K loop (overlapping it), each later one as soon as the store two blocks before it has left its slot.
     Tiles walk rows or columns fastest as `fce_core.plan.rows_fast` says."""
     bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
-    n_m, n_n = pl.cdiv(m, cfg.tile_m), pl.cdiv(n, bn)
-    tiles = n_m * n_n
+    tiles = gemm_items(m, n, 1, cfg.tile_m, bn)
     planes = c_gmem[0].ndim == 3
     dtype = a_gmem.dtype
     a_block = (bk, cfg.tile_m) if a_t else (cfg.tile_m, bk)
@@ -47,8 +48,8 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
 
     def pipeline(body, context, steps):
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
-            max_concurrent_steps=stages_, compute_context=context)
+            body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
+            num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=stages_, compute_context=context)
 
     allocs = pipeline(None, None, pl.cdiv(slice_k, bk)).get_allocations(a_gmem, b_gmem)
 
@@ -60,10 +61,7 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
         def _item(info):
             (item,) = info.index
             tile, sl = lax.rem(item, tiles), lax.div(item, tiles)
-            if rows_fast(m, n, cfg.tile_m, bn):
-                r0, c0 = lax.rem(tile, n_m) * cfg.tile_m, lax.div(tile, n_m) * bn
-            else:
-                r0, c0 = lax.div(tile, n_n) * cfg.tile_m, lax.rem(tile, n_n) * bn
+            r0, c0 = _origin(tile, m, n, cfg.tile_m, bn)
             k_lo = sl * slice_k
             steps = lax.div(jnp.minimum(k, k_lo + slice_k) - k_lo + bk - 1, bk)
             ks, rows, cols = pl.ds(k_lo, slice_k), pl.ds(r0, cfg.tile_m), pl.ds(c0, bn)
@@ -99,8 +97,7 @@ def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, st
     while this tile's owner runs its epilogue: the tensor cores stay busy through it. Each output element takes
     the same K-ascending products and epilogue as in `_kernel`: the same bits."""
     bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
-    n_m, n_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
-    steps = pl.cdiv(k, bk)
+    tiles, steps = gemm_items(m, n, 1, bm, bn), pl.cdiv(k, bk)
     dtype = a_gmem.dtype
     a_block = (bk, bm) if a_t else (bm, bk)
     ring = dict(
@@ -115,20 +112,15 @@ def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, st
 
         @pl.when(wg < COMPUTE_WGS)
         def _():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
         @pl.when(wg == COMPUTE_WGS)
         def _():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-        @plgpu.nd_loop((n_m * n_n,), collective_axes="sm")
+        @plgpu.nd_loop((tiles,), collective_axes="sm")
         def _item(info):
-            (tile,) = info.index
-            if rows_fast(m, n, bm, bn):
-                r0, c0 = lax.rem(tile, n_m) * bm, lax.div(tile, n_m) * bn
-            else:
-                r0, c0 = lax.div(tile, n_n) * bm, lax.rem(tile, n_n) * bn
-
+            r0, c0 = _origin(info.index[0], m, n, bm, bn)
             owner = lax.rem(info.local_index, COMPUTE_WGS)
 
             def stage(s):  # K step s's count on the ring, its slot, and the owner's barrier for its arrival
@@ -167,7 +159,7 @@ def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, st
 
         # the releases that no later load waited for: the memory warpgroup observes every phase too
         programs, program = lax.axis_size("sm"), lax.axis_index("sm")
-        filled = lax.div(n_m * n_n - program + programs - 1, programs) * steps
+        filled = lax.div(tiles - program + programs - 1, programs) * steps
 
         @pl.when(wg == COMPUTE_WGS)
         def _drain():
@@ -175,6 +167,15 @@ def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, st
                 pl.when(filled > slot)(lambda at=slot: plgpu.barrier_wait(consumed.at[at]))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _origin(tile, m, n, tile_m, tile_n):
+    """The first row and column of output tile `tile` of [m, n], the tiles walking rows or columns fastest as
+    `fce_core.plan.rows_fast` says."""
+    n_m, n_n = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n)
+    if rows_fast(m, n, tile_m, tile_n):
+        return lax.rem(tile, n_m) * tile_m, lax.div(tile, n_m) * tile_n
+    return lax.div(tile, n_n) * tile_m, lax.rem(tile, n_n) * tile_n
 
 
 def _c_scratch(c_gmem, cfg, mode, first):
@@ -287,16 +288,13 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg, 
                              f"{name} has rows of {arr.shape[-1]} {jnp.dtype(arr.dtype).name} values")
     _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
     epilogue_bytes = sum(COMPUTE_WGS * slots * rows_e * cols_e * jnp.dtype(o.dtype).itemsize for o in planes)
-    per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
-    if cfg.pingpong and slices == 1:  # stages of a compute warpgroup's tile
-        per_stage = (cfg.tile_m // COMPUTE_WGS + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
-        items = gemm_items(m, n, 1, cfg.tile_m // COMPUTE_WGS, cfg.tile_n)
-        body = functools.partial(_pingpong_kernel, m=m, n=n, k=k, a_t=a_t, mode=mode, first=first, cfg=cfg,
-                                 stages_=mgpu.stages(cfg, per_stage, epilogue_bytes))
-    else:
-        items = gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n)
-        body = functools.partial(_kernel, m=m, n=n, k=k, slice_k=slice_k, slices=slices, a_t=a_t, mode=mode,
-                                 first=first, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, epilogue_bytes))
+    pingpong = cfg.pingpong and slices == 1
+    tile_m = cfg.tile_m // COMPUTE_WGS if pingpong else cfg.tile_m  # a stage holds one compute warpgroup's tile
+    per_stage = (tile_m + cfg.tile_n) * cfg.tile_k * jnp.dtype(a.dtype).itemsize
+    items = gemm_items(m, n, slices, tile_m, cfg.tile_n)
+    kernel = _pingpong_kernel if pingpong else functools.partial(_kernel, slice_k=slice_k, slices=slices)
+    body = functools.partial(kernel, m=m, n=n, k=k, a_t=a_t, mode=mode, first=first, cfg=cfg,
+                             stages_=mgpu.stages(cfg, per_stage, epilogue_bytes))
     given = [o for o in outs if not isinstance(o, jax.ShapeDtypeStruct)]
     launch = functools.partial(mgpu.kernel, body, programs=mgpu.programs(items), compute_threads=COMPUTE_WGS)
     if not given:
