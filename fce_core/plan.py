@@ -191,6 +191,16 @@ def dx_slices(n_rows: int, hidden: int, vocab: int, cfg: GradGemmConfig = GRAD_G
     return max(1, min(cfg.max_slices, by_length, cfg.target_programs // max(tiles, 1)))
 
 
+# The gradient GEMMs' epilogues (both twins): C = the product in C's dtype; C (float32) += it; the (hi, lo) pair's
+# update; its last update (lo read as an input, hi alone written: after the last product hi, the rounded sum, is dW).
+WRITE, ADD, PAIR, PAIR_LAST = 0, 1, 2, 3
+
+
+def reads_c(mode: int, first: bool) -> bool:
+    """Whether the epilogue `mode` reads C: to add to it (ADD), or to the (hi, lo) pair after the first chunk's."""
+    return mode in (ADD, PAIR_LAST) or (mode == PAIR and not first)
+
+
 def rows_fast(m: int, n: int, tile_m: int, tile_n: int) -> bool:
     """Whether a gradient GEMM walks its [m, n] output tiles with the row blocks varying fastest: the grid
     dimension with fewer blocks varies fastest, so the programs that run at once share their blocks of the

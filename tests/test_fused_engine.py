@@ -29,6 +29,8 @@ import math
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fce_core.config import GEMM_INTERPRETER
 from fce_core.contract import FUSED_SOFTCAP_WITH_SMOOTHING, FUSED_SOFTCAP_WITH_SMOOTHING_F16, check_engine
@@ -36,6 +38,7 @@ from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_core.plan import layout, plan_rows
 from fce_core.rows import tile_weights
+from fce_torch.kernels import grad_gemms as torch_grad_gemms
 from helpers import to_jax, to_torch
 from parity.cases import IGNORE_INDEX, Case, make_inputs
 from parity.reference import as_float64
@@ -662,6 +665,30 @@ def test_torch_launch_variants_same_bits(dtype, hidden):
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
+
+
+@triton.jit
+def _c_lines_kernel(out_ptr, r0, c0, s_cm, M, N, BM: tl.constexpr, BN: tl.constexpr, ITEM_BITS: tl.constexpr,
+                    PER_ROW: tl.constexpr):
+    at = tl.arange(0, BM)[:, None] * PER_ROW + tl.arange(0, PER_ROW)[None, :]
+    tl.store(out_ptr + at, torch_grad_gemms.c_lines(r0, c0, s_cm, M, N, BM, BN, ITEM_BITS))
+
+
+@pytest.mark.parametrize("bits, block_n", [(16, 256), (8, 256), (32, 64), (16, 32)])
+def test_torch_prefetch_lines_cover_c_blocks(bits, block_n):
+    """`grad_gemms.c_lines`, the addresses that GradGemmConfig.prefetch_c asks L2 for before each tile's K loop
+    (the prefetch itself is PTX: tests/test_sm90_registers.py finds it there): one in each 128-byte line of the
+    block's rows inside C and nothing outside C, for blocks inside C and across its last rows and columns."""
+    line = 1024 // bits
+    per_row = max(1, block_n // line)
+    m, n, s_cm, bm = 40, 2 * block_n + block_n // 2 - 8, 3 * block_n + 8, 16  # the last block's right lines cut
+    for r0, c0 in ((0, 0), (16, block_n), (32, 2 * block_n)):  # inside C; the last rows and columns cut
+        out = torch.empty(bm, per_row, dtype=torch.int64)
+        _c_lines_kernel[(1,)](out, r0, c0, s_cm, m, n, BM=bm, BN=block_n, ITEM_BITS=bits, PER_ROW=per_row)
+        want = {r * s_cm + c for r in range(r0, min(r0 + bm, m)) for c in range(c0, min(c0 + block_n, n), line)}
+        got = set(out.flatten().tolist())
+        assert want <= got and got - want <= {r0 * s_cm + c0}
+        assert all(0 <= o < (m - 1) * s_cm + n for o in got)
 
 
 @each_kernel_twin

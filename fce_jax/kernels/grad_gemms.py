@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC
 from fce_core.heads import TileValues
-from fce_core.plan import dx_slices, rows_fast
+from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, dx_slices, rows_fast
 
 from . import fastmath as fm
 from .launch import call, interpret_mode
@@ -27,7 +27,6 @@ from .tile_dlogits import dz_on_load, row_coefficients
 from ..sums import pairwise_sum
 
 F32 = jnp.float32
-WRITE, ADD, PAIR, PAIR_LAST = 0, 1, 2, 3  # as fce_torch's; PAIR_LAST reads lo as an input and writes hi alone
 
 
 def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, precision, cfg, asm, on_load):

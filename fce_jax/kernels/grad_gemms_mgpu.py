@@ -16,11 +16,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fce_core.plan import gemm_items, rows_fast
+from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, gemm_items, reads_c, rows_fast
 
 from . import fastmath as fm
 from . import mgpu
-from .grad_gemms import ADD, F32, PAIR, PAIR_LAST, WRITE, tma_rows
+from .grad_gemms import F32, tma_rows
 from .launch import typed
 
 COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
@@ -181,7 +181,7 @@ def _origin(tile, m, n, tile_m, tile_n):
 def _c_scratch(c_gmem, cfg, mode, first):
     """The epilogue's shared memory and barriers (`_CTile`): per compute warpgroup, `_blocks`' slots of every
     plane of C, and a barrier per slot and plane for C's loads."""
-    _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
+    _, (rows_e, cols_e), slots = _blocks(cfg, reads_c(mode, first))
     return dict(epi=[plgpu.SMEM((COMPUTE_WGS, slots, rows_e, cols_e), c.dtype,
                                 transforms=mgpu.transforms(cols_e, c.dtype)) for c in c_gmem],
                 bars=plgpu.Barrier(num_barriers=COMPUTE_WGS * slots * len(c_gmem)))
@@ -196,7 +196,7 @@ class _CTile:
     def __init__(self, c_gmem, epi, bars, wg, row0, col0, plane, cfg, mode, first):
         self.c_gmem, self.epi, self.bars, self.wg, self.row0, self.col0, self.plane = (c_gmem, epi, bars, wg, row0,
                                                                                        col0, plane)
-        self.mode, self.first, self.loads = mode, first, _reads_c(mode, first)
+        self.mode, self.first, self.loads = mode, first, reads_c(mode, first)
         self.blocks, (self.rows_e, self.cols_e), self.slots = _blocks(cfg, self.loads)
 
     def dst(self, b):  # block b's part of C in global memory
@@ -229,11 +229,6 @@ class _CTile:
             if self.loads and b + self.slots < len(self.blocks):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # block b's stores left its slot
                 self.load(b + self.slots)
-
-
-def _reads_c(mode, first):
-    """Whether the epilogue reads C: to add to it (ADD), or to the (hi, lo) pair after the first chunk's."""
-    return mode in (ADD, PAIR_LAST) or (mode == PAIR and not first)
 
 
 def _blocks(cfg, loads):
@@ -286,7 +281,7 @@ def mosaic_gemm(a, b, m, n, k, *, a_t, mode, outs, first, slices, slice_k, cfg, 
         if not tma_rows(arr):
             raise ValueError(f"the Mosaic GPU GEMMs load and store by TMA, whose rows are multiples of 16 bytes: "
                              f"{name} has rows of {arr.shape[-1]} {jnp.dtype(arr.dtype).name} values")
-    _, (rows_e, cols_e), slots = _blocks(cfg, _reads_c(mode, first))
+    _, (rows_e, cols_e), slots = _blocks(cfg, reads_c(mode, first))
     epilogue_bytes = sum(COMPUTE_WGS * slots * rows_e * cols_e * jnp.dtype(o.dtype).itemsize for o in planes)
     pingpong = cfg.pingpong and slices == 1
     tile_m = cfg.tile_m // COMPUTE_WGS if pingpong else cfg.tile_m  # a stage holds one compute warpgroup's tile
