@@ -121,8 +121,9 @@ class GradGemmConfig:
     persistent: bool = False
     flatten: bool = False  # as GemmConfig's (fce_torch), where K is not sliced and C is not added to
     programs_per_sm: int = 1  # as GemmConfig's (fce_torch)
-    # fce_torch: each tile's block of C asked into L2 before its K loop where the epilogue reads C (ADD, the (hi, lo)
-    # pair), so that the read waits on L2 instead of memory after the products; opt-in, not run on a GPU yet
+    # Each tile's block of C asked into L2 before its K loop where the epilogue reads C (ADD, the (hi, lo) pair), so
+    # that the read waits on L2 instead of memory after the products (with `mosaic`: the blocks not already loaded
+    # into shared memory then); opt-in, not run on a GPU yet
     prefetch_c: bool = False
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
     # With `mosaic`, where K is not sliced: the two compute warpgroups take tiles of tile_m / 2 x tile_n in turns

@@ -1084,12 +1084,14 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
     import jax
     import jax.numpy as jnp
 
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+
     from fce_core.config import GRAD_GEMM_MOSAIC as cfg
     from fce_core.plan import dx_slices
     from fce_jax.kernels import grad_gemms as jg
-    from fce_jax.kernels import launch, mgpu
+    from fce_jax.kernels import grad_gemms_mgpu, launch, mgpu
 
-    for module in (launch, mgpu, jg):
+    for module in (launch, mgpu, jg, grad_gemms_mgpu):
         monkeypatch.setattr(module, "interpret_mode", lambda: False)
     monkeypatch.setattr(mgpu, "_cores", lambda: 132)
     s, bf, f16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float16, jnp.float32
@@ -1132,6 +1134,26 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
                    s((262144, 640), bf), s((512, 640), bf))
     assert "mosaic_gpu" not in text and "xla.gpu.triton" in text
     assert dx_slices(256, 4096, 128256, cfg) > 1 and dx_slices(1024, 4096, 128256, cfg) == 1
+    # `prefetch_c`: the (hi, lo) blocks that the epilogue loads after the K loop asked into L2 before it (read
+    # from the module before Mosaic GPU serializes it), in both schedules; none without the flag or where C is
+    # only written
+    modules, serde = [], mosaic_core._run_serde_pass
+
+    def keep(module, *args, **kw):
+        modules.append(str(module))
+        return serde(module, *args, **kw)
+
+    monkeypatch.setattr(mosaic_core, "_run_serde_pass", keep)
+    dz, x, hi, lo = s((1024, 128256), bf), s((1024, 4096), bf), s((128256, 4096), bf), s((128256, 4096), jnp.int8)
+    for c in (cfg, dataclasses.replace(cfg, pingpong=True)):
+        counts = []
+        for flag in (False, True):
+            c_flag = dataclasses.replace(c, prefetch_c=flag)
+            lowered(lambda a, b, d, e: jg.dw_accumulate(a, b, (d, e), cfg=c_flag), dz, x, hi, lo)
+            counts.append(modules[-1].count("cp.async.bulk.prefetch.tensor"))
+            lowered(lambda a, b: jg.dw_first(a, b, bf, cfg=c_flag), dz, x)
+            counts.append(modules[-1].count("cp.async.bulk.prefetch.tensor"))
+        assert counts[0] == counts[1] == counts[3] == 0 and counts[2] > 0, counts
 
 
 def _mosaic_tile_inputs(n, v=320, scale=1.0, seed=17):

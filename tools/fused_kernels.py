@@ -51,7 +51,10 @@ GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_t
 # the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, 128x256, and the
 # two compute warpgroups in turns on 128x128 tiles where K is not sliced, off a ring of up to 5 stages)
 JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256),
-                     dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, num_stages=5)]
+                     dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, num_stages=5),
+                     # the C blocks loaded after the K loop asked into L2 before it (the accumulations)
+                     dataclasses.replace(GRAD_GEMM_MOSAIC, prefetch_c=True),
+                     dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, num_stages=5, prefetch_c=True)]
 
 
 def _tag(cfg):
