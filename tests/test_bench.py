@@ -270,3 +270,25 @@ def test_cpo_pairs_option():
     for bad in ("0", "4,x", ""):
         with pytest.raises(SystemExit):
             _parser().parse_args(["cpo", "--pairs", bad])
+
+
+def test_grad_gemms_option(monkeypatch):
+    """``--grad-gemms prefetch_c=true`` takes launch fields of GradGemmConfig only (a NUMERICS field would change
+    the bits) and `with_grad_gemms` sets them in both twins' engine launches."""
+    import fce_jax.kernels.grad_gemms as jax_grads
+    import fce_torch.kernels.grad_gemms as torch_grads
+    from bench.__main__ import _parser, with_grad_gemms
+
+    args = _parser().parse_args(["op", "--grad-gemms", "prefetch_c=true", "--grad-gemms", "num_stages=4"])
+    assert dict(args.grad_gemms) == {"prefetch_c": True, "num_stages": 4}
+    assert _parser().parse_args(["op"]).grad_gemms == []
+    for bad in ("tile_k=32", "split_m=64", "prefetch_c=yes", "num_stages=x", "bogus=1", "prefetch_c"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["op", "--grad-gemms", bad])
+    names = {torch_grads: ("GRAD_GEMM_TORCH", "GRAD_GEMM_TORCH_TALL", "GRAD_GEMM_TORCH_ON_LOAD"),
+             jax_grads: ("GRAD_GEMM_MOSAIC",)}
+    for module, module_names in names.items():
+        for name in module_names:
+            monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    with_grad_gemms({"prefetch_c": True})
+    assert all(getattr(module, name).prefetch_c for module, module_names in names.items() for name in module_names)
