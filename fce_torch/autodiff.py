@@ -4,7 +4,7 @@ that autograd, ``torch.compile`` (``fullgraph=True``, no graph break) and CUDA g
 Two shapes of autograd, as in fce_jax/autodiff.py:
 - *precomputed* (`register_precomputed`): the forward sweep of a scalar loss also computes dX, dW, db and the
   op returns them as its last outputs (empty when not asked for); the backward only scales them by the
-  cotangent, one rounding (`backward_grad`): in place when no later backward can read them (autograd then
+  cotangent, one rounding (`backward_grads`): in place when no later backward can read them (autograd then
   takes the tensor as `.grad` itself, so no second dW-sized buffer exists), else into a new tensor
   (`scaled_grad`, so a second backward(retain_graph=True) starts from the same values);
 - *recompute* (`register_recompute`): the forward computes the outputs only; the backward calls a gradient op
@@ -47,12 +47,14 @@ def _graph_kept(grad):
     return traced(grad) or keep is None or keep()
 
 
-def backward_grad(grad, g, dtype):
-    """The gradient a precomputed op's backward hands to autograd: dtype(float32(grad) * g), the saved
-    `grad` scaled in place when it has the dtype and no later backward can read it, else a new tensor."""
-    if grad.dtype == dtype and grad.is_contiguous() and not _graph_kept(grad):
-        return scale_in_place(grad, g)
-    return scaled_grad(grad, g, dtype)
+def backward_grads(grads, g, dtypes):
+    """The gradients a precomputed op's backward hands to autograd (None where `grads` has None):
+    dtype(float32(grad) * g), each saved grad scaled in place when it has the dtype and no later backward can
+    read it (all of those in one launch), else a new tensor."""
+    in_place = [t is not None and t.dtype == dt and t.is_contiguous() and not _graph_kept(t)
+                for t, dt in zip(grads, dtypes)]
+    scale_in_place([t for t, here in zip(grads, in_place) if here], g)
+    return [t if here or t is None else scaled_grad(t, g, dt) for t, dt, here in zip(grads, dtypes, in_place)]
 
 
 def absent(like):
@@ -98,8 +100,8 @@ def register_precomputed(op, body, n_outputs):
     def backward(ctx, g_loss, *unused):
         saved = ctx.saved_tensors
         g = torch.zeros((), device=saved[0].device, dtype=F32) if g_loss is None else g_loss.to(F32)
-        grads = [backward_grad(t, g, dt) if _present(t, shape) else None
-                 for t, shape, dt in zip(saved, ctx.shapes, ctx.dtypes)]
+        grads = backward_grads([t if _present(t, shape) else None for t, shape in zip(saved, ctx.shapes)], g,
+                               ctx.dtypes)
         return (*grads, *([None] * (ctx.n_inputs - 3)))
 
     op.register_autograd(backward, setup_context=setup_context)

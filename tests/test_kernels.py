@@ -648,19 +648,24 @@ def test_as_grad(k, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("g", [2.5, 1.0, 0.0])
 def test_scale_in_place(dtype, g):
-    """torch's in-place form (the last backward's): the bits of as_grad into the same buffer, also with
-    programs looping over several blocks; g = 1 leaves every bit as it was (the kernel skips its pass on the
-    device)."""
+    """torch's in-place form (the last backward's): the bits of as_grad into the same buffers, for up to three
+    tensors of different dtypes and sizes in one launch (dX, dW, db), also with programs looping over several
+    blocks; g = 1 leaves every bit as it was (the kernel skips its pass on the device)."""
     from fce_core.config import GRAD_SCALE, BlockConfig
     from fce_torch.kernels.grad_scale import as_grad, scale_in_place
     for cfg in (GRAD_SCALE, BlockConfig(block=64, max_programs=3)):
         grad = _rand((37, 130), 99).to(getattr(torch, dtype))
         grad[0, :3] = torch.tensor([1e-30, -0.0, 3e4])
-        want = as_grad(grad, grad.dtype, torch.tensor(g))
-        out = scale_in_place(grad, torch.tensor(g), cfg)
-        assert out is grad and out.data_ptr() == grad.data_ptr()
-        assert np.array_equal(as_float64(out), as_float64(want))
-    assert scale_in_place(torch.zeros(0, 5), torch.tensor(g)).shape == (0, 5)
+        others = [_rand((5, 9), 7).to(torch.bfloat16), _rand((300,), 8)]
+        for grads in ([grad.clone()], [grad.clone(), *others], [torch.zeros(0, 3), grad.clone()]):
+            want = [as_grad(t, t.dtype, torch.tensor(g)) for t in grads]
+            ptrs = [t.data_ptr() for t in grads]
+            out = scale_in_place(grads, torch.tensor(g), cfg)
+            assert out is grads and [t.data_ptr() for t in out] == ptrs
+            assert all(np.array_equal(as_float64(a), as_float64(b)) for a, b in zip(out, want))
+    assert scale_in_place([torch.zeros(0, 5)], torch.tensor(g))[0].shape == (0, 5)
+    with pytest.raises(ValueError, match="at most 3"):
+        scale_in_place([torch.zeros(2)] * 4, torch.tensor(g))
 
 
 @each_twin

@@ -20,14 +20,26 @@ def _scale_cast_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr, ASM: tl.
 
 
 @triton.jit
-def _scale_in_place_kernel(t_ptr, g_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
+def _scale_part(t_ptr, g, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < n
+        v = tl.load(t_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(t_ptr + offs, fm.to_dtype(v * g, t_ptr.dtype.element_ty, ASM), mask=ok)
+
+
+@triton.jit
+def _scale_in_place_kernel(a_ptr, b_ptr, c_ptr, g_ptr, n_a, n_b, n_c, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    # program_id(1) picks the tensor: one launch for dX, dW and db, which the host pays per launch at small N
     g = tl.load(g_ptr)
     if g != 1.0:  # decided on the device: loss.backward() (g = 1) costs a launch, not a pass over dW
-        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, tl.num_programs(0) * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            ok = offs < n
-            v = tl.load(t_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            tl.store(t_ptr + offs, fm.to_dtype(v * g, t_ptr.dtype.element_ty, ASM), mask=ok)
+        part = tl.program_id(1)
+        if part == 0:
+            _scale_part(a_ptr, g, n_a, BLOCK, ASM)
+        elif part == 1:
+            _scale_part(b_ptr, g, n_b, BLOCK, ASM)
+        else:
+            _scale_part(c_ptr, g, n_c, BLOCK, ASM)
 
 
 def as_grad(grad, dtype, g=None, cfg=GRAD_SCALE):
@@ -45,15 +57,23 @@ def as_grad(grad, dtype, g=None, cfg=GRAD_SCALE):
     return out
 
 
-def scale_in_place(grad, g, cfg=GRAD_SCALE):
-    """grad = grad.dtype(float32(grad) * g) in place (the bits of `as_grad(grad, grad.dtype, g)`), for a
-    contiguous grad that nothing reads afterwards. Returns grad."""
-    n = grad.numel()
-    if n:
-        blocks = cdiv(n, cfg.block)
-        _scale_in_place_kernel[(min(blocks, cfg.max_programs or blocks),)](
-            grad, g.to(torch.float32).reshape(1), n, BLOCK=cfg.block, ASM=fm.ASM, num_warps=cfg.num_warps)
-    return grad
+MAX_IN_PLACE = 3  # dX, dW, db
+
+
+def scale_in_place(grads, g, cfg=GRAD_SCALE):
+    """Each tensor of `grads` (at most MAX_IN_PLACE, contiguous, that nothing reads afterwards) =
+    its dtype(float32(it) * g) in place (the bits of `as_grad(t, t.dtype, g)`), all in one launch. Returns
+    grads."""
+    if len(grads) > MAX_IN_PLACE:
+        raise ValueError(f"scale_in_place takes at most {MAX_IN_PLACE} tensors, got {len(grads)}")
+    live = [t for t in grads if t.numel()]
+    if live:
+        blocks = max(cdiv(t.numel(), cfg.block) for t in live)
+        pad = MAX_IN_PLACE - len(live)  # slots past the grid's second axis: never read
+        _scale_in_place_kernel[(min(blocks, cfg.max_programs or blocks), len(live))](
+            *live, *[live[0]] * pad, g.to(torch.float32).reshape(1), *[t.numel() for t in live], *[0] * pad,
+            BLOCK=cfg.block, ASM=fm.ASM, num_warps=cfg.num_warps)
+    return grads
 
 
 def kept_weight_grad(dw, dtype):
