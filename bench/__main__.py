@@ -1,6 +1,6 @@
 """Command line: ``python -m bench {op,sft,cpo,logprobs} [--smoke] [--shape N,H,V|anchors]... [--impl NAME]...
-[--out DIR] [--reps K] [--warmup K] [--grad-gemms FIELD=VALUE]...``; ``sft`` also takes ``--profile`` (where the
-step time goes), ``cpo`` ``--pairs B[,B...]``.
+[--out DIR] [--reps K] [--warmup K] [--logits-gemm FIELD=VALUE]... [--grad-gemms FIELD=VALUE]...``; ``sft``
+also takes ``--profile`` (where the step time goes), ``cpo`` ``--pairs B[,B...]``.
 
 Progress goes to stderr (one line per cell), the final table to stdout, and JSON + Markdown + PNG files to
 ``--out`` (default ``bench/results/<gpu-name>/``, ``bench/results/cpu-smoke/`` with ``--smoke``).
@@ -41,37 +41,46 @@ def _pairs(text: str) -> tuple[int, ...]:
     return pairs
 
 
-def _grad_gemm_field(text: str) -> tuple[str, bool | int]:
-    """FIELD=VALUE of a GradGemmConfig launch field (bool: true/false, or int); NUMERICS fields are refused."""
-    from fce_core.config import GradGemmConfig
+def _launch_field(config):
+    """The argparse type of FIELD=VALUE for a launch field of the dataclass `config` (bool: true/false, or int);
+    its NUMERICS fields, which set the bits, are refused."""
 
-    name, _, value = text.partition("=")
-    defaults = {f.name: f.default for f in dataclasses.fields(GradGemmConfig)}
-    if name not in defaults or name in GradGemmConfig.NUMERICS:
-        launch = sorted(set(defaults) - set(GradGemmConfig.NUMERICS))
-        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with FIELD one of the launch fields {launch} (the "
-                                         f"NUMERICS fields set the bits), got {text!r}")
-    if isinstance(defaults[name], bool):
-        if value.lower() not in ("true", "false"):
-            raise argparse.ArgumentTypeError(f"{name} takes true or false, got {value!r}")
-        return name, value.lower() == "true"
-    try:
-        return name, int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{name} takes an integer, got {value!r}") from None
+    def parse(text: str) -> tuple[str, bool | int]:
+        name, _, value = text.partition("=")
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        if name not in defaults or name in config.NUMERICS:
+            launch = sorted(set(defaults) - set(config.NUMERICS))
+            raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with FIELD one of {config.__name__}'s launch "
+                                             f"fields {launch} (the NUMERICS fields set the bits), got {text!r}")
+        if isinstance(defaults[name], bool):
+            if value.lower() not in ("true", "false"):
+                raise argparse.ArgumentTypeError(f"{name} takes true or false, got {value!r}")
+            return name, value.lower() == "true"
+        try:
+            return name, int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes an integer, got {value!r}") from None
+
+    return parse
 
 
-def with_grad_gemms(changes: dict) -> None:
-    """The fused engine's gradient GEMM launches of both twins (fce_torch's Triton configs, the JAX twin's Mosaic
-    GPU one) with `changes`, for this process: a bench run that times a launch variant in the engine. The
-    fields are launch fields only, so every twin keeps its bits."""
+def with_launches(logits: dict, grads: dict) -> None:
+    """The fused engine's GEMM launches of both twins with these launch fields changed, for this process (a
+    bench run that times a launch variant in the engine): `logits` in the logits GEMM's GemmConfig, `grads` in
+    the dX/dW GEMMs' (fce_torch's Triton configs, the JAX twin's Mosaic GPU one). Launch fields only: every
+    twin keeps its bits."""
     from fce_jax.kernels import grad_gemms as jax_grads
+    from fce_jax.kernels import logit_tiles as jax_logits
     from fce_torch.kernels import grad_gemms as torch_grads
+    from fce_torch.kernels import logit_tiles as torch_logits
 
-    for module, names in ((torch_grads, ("GRAD_GEMM_TORCH", "GRAD_GEMM_TORCH_TALL", "GRAD_GEMM_TORCH_ON_LOAD")),
-                          (jax_grads, ("GRAD_GEMM_MOSAIC",))):
-        for name in names:
-            setattr(module, name, dataclasses.replace(getattr(module, name), **changes))
+    for changes, targets in ((logits, ((torch_logits, ("GEMM",)), (jax_logits, ("GEMM",)))),
+                             (grads, ((torch_grads, ("GRAD_GEMM_TORCH", "GRAD_GEMM_TORCH_TALL",
+                                                     "GRAD_GEMM_TORCH_ON_LOAD")),
+                                      (jax_grads, ("GRAD_GEMM_MOSAIC",))))):
+        for module, names in targets if changes else ():
+            for name in names:
+                setattr(module, name, dataclasses.replace(getattr(module, name), **changes))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,9 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--reps", type=int, metavar="K",
                         help="timed repetitions per cell, op and cpo (default 20; smoke 2)")
     common.add_argument("--warmup", type=int, metavar="K", help="untimed calls per cell first (default 3; smoke 0)")
-    common.add_argument("--grad-gemms", action="append", type=_grad_gemm_field, default=[], metavar="FIELD=VALUE",
-                        help="run the fused engine's dX/dW GEMMs of both twins with this launch field of "
-                             "GradGemmConfig changed, e.g. prefetch_c=true (repeatable; recorded in the JSON)")
+    from fce_core.config import GemmConfig, GradGemmConfig
+
+    common.add_argument("--logits-gemm", action="append", type=_launch_field(GemmConfig), default=[],
+                        metavar="FIELD=VALUE",
+                        help="run the fused engine's logits GEMM of both twins with this launch field of GemmConfig "
+                             "changed, e.g. store_whole=true (repeatable; recorded in the JSON)")
+    common.add_argument("--grad-gemms", action="append", type=_launch_field(GradGemmConfig), default=[],
+                        metavar="FIELD=VALUE",
+                        help="the same for the dX/dW GEMMs' GradGemmConfig, e.g. prefetch_c=true")
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="bench", required=True)
     op = sub.add_parser("op", parents=[common], help="the loss alone, forward+backward and loss-only")
@@ -151,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         out=args.out or common.RESULTS / slug)
     progress = common.Progress()
     progress.log(f"bench {args.bench} on {name} -> {settings.out}")
-    grad_gemms = dict(args.grad_gemms)
-    if grad_gemms:
-        with_grad_gemms(grad_gemms)
-        progress.log(f"the fused engine's dX/dW GEMMs with {grad_gemms}")
+    launches = {"logits_gemm": dict(args.logits_gemm), "grad_gemms": dict(args.grad_gemms)}
+    if any(launches.values()):
+        with_launches(launches["logits_gemm"], launches["grad_gemms"])
+        progress.log(f"the fused engine's GEMM launches changed: {launches}")
 
     if args.bench == "op":
         from bench import op as mod
@@ -180,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
         result = mod.run(settings, progress, pairs=args.pairs)
 
-    if grad_gemms:
-        result["grad_gemms"] = grad_gemms
+    if any(launches.values()):
+        result["launches_changed"] = launches
     for path in report.write(result, mod.COLUMNS, mod.PLOTS, settings.out):
         progress.log(f"wrote {path}")
     print(report.table(result, mod.COLUMNS))

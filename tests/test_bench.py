@@ -272,23 +272,31 @@ def test_cpo_pairs_option():
             _parser().parse_args(["cpo", "--pairs", bad])
 
 
-def test_grad_gemms_option(monkeypatch):
-    """``--grad-gemms prefetch_c=true`` takes launch fields of GradGemmConfig only (a NUMERICS field would change
-    the bits) and `with_grad_gemms` sets them in both twins' engine launches."""
+def test_launch_options(monkeypatch):
+    """``--logits-gemm store_whole=true --grad-gemms prefetch_c=true`` take launch fields of GemmConfig and
+    GradGemmConfig only (a NUMERICS field would change the bits), and `with_launches` sets them in both twins'
+    engine launches."""
     import fce_jax.kernels.grad_gemms as jax_grads
+    import fce_jax.kernels.logit_tiles as jax_logits
     import fce_torch.kernels.grad_gemms as torch_grads
-    from bench.__main__ import _parser, with_grad_gemms
+    import fce_torch.kernels.logit_tiles as torch_logits
+    from bench.__main__ import _parser, with_launches
 
-    args = _parser().parse_args(["op", "--grad-gemms", "prefetch_c=true", "--grad-gemms", "num_stages=4"])
+    args = _parser().parse_args(["op", "--grad-gemms", "prefetch_c=true", "--grad-gemms", "num_stages=4",
+                                 "--logits-gemm", "store_whole=true"])
     assert dict(args.grad_gemms) == {"prefetch_c": True, "num_stages": 4}
+    assert dict(args.logits_gemm) == {"store_whole": True}
     assert _parser().parse_args(["op"]).grad_gemms == []
-    for bad in ("tile_k=32", "split_m=64", "prefetch_c=yes", "num_stages=x", "bogus=1", "prefetch_c"):
+    for option, bad in (("--grad-gemms", "tile_k=32"), ("--grad-gemms", "split_m=64"), ("--logits-gemm", "tile_n=128"),
+                        ("--grad-gemms", "prefetch_c=yes"), ("--grad-gemms", "num_stages=x"),
+                        ("--logits-gemm", "prefetch_c=true"), ("--grad-gemms", "prefetch_c")):
         with pytest.raises(SystemExit):
-            _parser().parse_args(["op", "--grad-gemms", bad])
+            _parser().parse_args(["op", option, bad])
     names = {torch_grads: ("GRAD_GEMM_TORCH", "GRAD_GEMM_TORCH_TALL", "GRAD_GEMM_TORCH_ON_LOAD"),
-             jax_grads: ("GRAD_GEMM_MOSAIC",)}
+             jax_grads: ("GRAD_GEMM_MOSAIC",), torch_logits: ("GEMM",), jax_logits: ("GEMM",)}
     for module, module_names in names.items():
         for name in module_names:
             monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
-    with_grad_gemms({"prefetch_c": True})
-    assert all(getattr(module, name).prefetch_c for module, module_names in names.items() for name in module_names)
+    with_launches({"store_whole": True}, {"prefetch_c": True})
+    assert all(getattr(m, n).prefetch_c for m in (torch_grads, jax_grads) for n in names[m])
+    assert torch_logits.GEMM.store_whole and jax_logits.GEMM.store_whole

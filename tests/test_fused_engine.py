@@ -448,7 +448,8 @@ def test_logit_tiles_and_merge(k, name):
 
 LAUNCHES = [dict(tma=t, persistent=p) for t in (False, True) for p in (False, True)] + [
     dict(tile_m=32, tile_n=32, tma=True, persistent=True), dict(tma=True, persistent=True, flatten=True),
-    dict(tile_m=32, tma=True, persistent=True, programs_per_sm=2)]
+    dict(tile_m=32, tma=True, persistent=True, programs_per_sm=2), dict(tma=True, persistent=True, store_whole=True),
+    dict(tma=True, persistent=True, flatten=True, store_whole=True)]
 
 
 ON_LOAD_SHAPES = {  # rows, H, V: V a partial tile (pointer loads in fce_torch), V of whole 16-byte rows (TMA)
@@ -629,9 +630,11 @@ def test_torch_dx_launch_takes_the_fewest_rounds(monkeypatch):
 @pytest.mark.parametrize("dtype, hidden", [("bfloat16", 48), ("float32", 20), ("bfloat16", 20)])
 def test_torch_launch_variants_same_bits(dtype, hidden):
     """fce_torch's GEMMs with and without TMA operand loads, the persistent launch (two programs per
-    multiprocessor too) and other tiles (the logits GEMM's rows, dX/dW): the same bits for the logits GEMM's
-    tile values and partials, dX over several V slices, and dW written, accumulated in float32 and as the
-    (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are not TMA-aligned: pointer loads there."""
+    multiprocessor too), whole tiles stored at once (`store_whole`) and other tiles (the logits GEMM's rows,
+    dX/dW): the same bits for the logits GEMM's tile values and partials (with q and pz, and without, where the
+    tile values may be stored whole), dX over several V slices and over one (its C written in the input dtype),
+    and dW written, accumulated in float32 and as the (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are
+    not TMA-aligned: pointer loads there."""
     from fce_core.config import GRAD_GEMM_INTERPRETER
     from fce_core.plan import dx_slices
     from fce_torch.kernels import grad_gemms, logit_tiles
@@ -647,7 +650,7 @@ def test_torch_launch_variants_same_bits(dtype, hidden):
     dz = (torch.randn(n, v, generator=g) * 0.1).to(dt)
     y = torch.randint(0, v, (n,), generator=g)
     assert tma_ready(x, w, dz) == (hidden * dz.element_size() % 16 == 0)
-    assert dx_slices(n, hidden, v, GRAD_GEMM_INTERPRETER) > 1
+    assert dx_slices(n, hidden, v, GRAD_GEMM_INTERPRETER) > 1 and dx_slices(n, hidden, 64, GRAD_GEMM_INTERPRETER) == 1
     precision = "ieee"
     runs = []
     for launch in LAUNCHES:
@@ -655,11 +658,15 @@ def test_torch_launch_variants_same_bits(dtype, hidden):
         grad_cfg = dataclasses.replace(GRAD_GEMM_INTERPRETER, **launch)
         e, parts = logit_tiles.logit_tiles(x, w, None, y, None, spec=StatsSpec(q=True, pz=True),
                                            transform=Transform(), precision=precision, cfg=cfg)
+        e_plain, parts_plain = logit_tiles.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(),
+                                                       precision=precision, cfg=cfg)
         dx = grad_gemms.dx_gemm(dz, w, torch.empty_like(x), precision, cfg=grad_cfg)
+        dx_one = grad_gemms.dx_gemm(dz[:, :64].contiguous(), w[:64], torch.empty_like(x), precision, cfg=grad_cfg)
         acc = grad_gemms.dw_first(dz[:20], x[:20], dt, precision, cfg=grad_cfg)
         acc = grad_gemms.dw_accumulate(dz[20:], x[20:], acc, precision, cfg=grad_cfg)
         written = grad_gemms.dw_gemm(dz, x, dt, precision, cfg=grad_cfg)
-        runs.append([e, *parts.values(), dx, *(acc if isinstance(acc, tuple) else (acc,)), written])
+        runs.append([e, *parts.values(), e_plain, *parts_plain.values(), dx, dx_one,
+                     *(acc if isinstance(acc, tuple) else (acc,)), written])
     want = (dz.double() @ w.double(), dz.double().T @ x.double())
     assert float((runs[0][-1].double() - want[1]).abs().max()) <= 1e-2 * float(want[1].abs().max())
     for run in runs[1:]:

@@ -76,6 +76,29 @@ def _prefetching(mode, c_dt, prefetch_c):
     return _ptx_spills(ptx), ptx.count("prefetch.global.L2")
 
 
+@pytest.mark.parametrize("kernel", ["dw", "dx", "logits"])
+def test_whole_tile_stores_fit(kernel):
+    """`store_whole` (GemmConfig's tile values without q or pz, GradGemmConfig's 16-bit C written): one TMA store
+    per tile, staged in 64 KiB of shared memory, fits beside the 3-stage pipeline of 128x256x64 (sm_90a: 227 KiB
+    a block) with nothing spilled, and the epilogue waits on fewer stores (by halves, Triton stages both in one
+    buffer and the right half waits for the left's store to leave it)."""
+    halves, whole = (_in_compiler("store_waits", kernel, w) for w in (False, True))
+    assert whole["spilled"] == 0 and whole["shared"] <= 232448
+    assert whole["waits"] < halves["waits"] and whole["shared"] - halves["shared"] == 32 * 1024
+
+
+def _store_waits(kernel, whole):
+    """Bytes spilled, shared memory and TMA store waits inside the tile loop of `kernel`'s launch."""
+    if kernel == "logits":
+        compiled = _logits(True, compiled=True, whole=whole)
+    else:
+        compiled = _grad(0, False, 128, 256, "bf16", kernel == "dw", compiled=True, whole=whole)
+    ir = compiled.asm["ttgir"]
+    body = ir[ir.index("scf.for"):]
+    return dict(spilled=_ptx_spills(compiled.asm["ptx"]), shared=compiled.metadata.shared,
+                waits=body.count("ttng.async_tma_store_wait"))
+
+
 @pytest.mark.parametrize("sliced", [False, True])
 def test_grad_gemm_loops_flatten_where_k_is_unsliced(sliced):
     """FLATTEN pipelines the tile loop and its K loop as one (the next tile's loads overlap this tile's
@@ -100,10 +123,11 @@ def _grad_loop_depth(sliced):
     return deepest
 
 
-def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False, on_load=False, prefetch_c=False):
+def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False, on_load=False, prefetch_c=False,
+          whole=False):
     from fce_core.config import GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_ON_LOAD
     from fce_torch.kernels import grad_gemms
-    c_block = f"[{bm},{bn // 2}]"
+    c_block = f"[{bm},{bn if whole else bn // 2}]"
     sig = dict(a_ptr=f"tensordesc<bf16[64,{bm}]>" if a_t else f"tensordesc<bf16[{bm},64]>", s_am="i32",
                s_ak="i32", b_ptr=f"tensordesc<bf16[64,{bn}]>", s_bk="i32", s_bn="i32",
                c_ptr=f"tensordesc<{c_dt}{c_block}>", lo_ptr=f"tensordesc<{'i8' if mode == 2 else c_dt}{c_block}>",
@@ -114,7 +138,7 @@ def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False, on_load=
     consts = dict(MODE=mode, FIRST=first, PRECISION="ieee", BM=bm, BN=bn, BK=64, EVEN_K=True, TMA=True, A_T=a_t,
                   C_DESC=True, C_DT=dt, PLANES=False, ROWS_FAST=False,
                   FLATTEN=grad_gemms.flattened(GRAD_GEMM_TORCH_ON_LOAD if on_load else GRAD_GEMM_TORCH, mode),
-                  SLICED=sliced, ON_LOAD=on_load, TILE_N=256, PREFETCH_C=prefetch_c, ASM=True)
+                  SLICED=sliced, ON_LOAD=on_load, TILE_N=256, PREFETCH_C=prefetch_c, WHOLE_C=whole, ASM=True)
     return (_compiled if compiled else _spilled)(grad_gemms._gemm_kernel, sig, consts)
 
 
@@ -162,15 +186,16 @@ def _logits_epilogue():
     return ptx.count("bar.sync"), ptx.count("ld.shared.v4")
 
 
-def _logits(store, q=False, compiled=False, flatten=False):
+def _logits(store, q=False, compiled=False, flatten=False, whole=False):
     from fce_torch.kernels import logit_tiles
     sig = dict(x_ptr="tensordesc<bf16[128,64]>", w_ptr="tensordesc<bf16[256,64]>", bias_ptr="*bf16",
-               y_ptr="*i32", cw_ptr="*fp32", e_ptr="tensordesc<bf16[128,128]>", stride_e="i32", m_ptr="*fp32",
+               y_ptr="*i32", cw_ptr="*fp32", e_ptr=f"tensordesc<bf16[128,{256 if whole else 128}]>", stride_e="i32",
+               m_ptr="*fp32",
                s_ptr="*fp32", arg_ptr="*i32", zy_ptr="*fp32", q_ptr="*fp32", pz_ptr="*fp32", n_rows="i32",
                V="i32", H="i32", n_tiles="i32", softcap="fp32", temperature="fp32")
     consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_TEMP=False, HAS_CW=False, HAS_Q=q, HAS_PZ=q,
                   STORE=store, PRECISION="ieee", BM=128, BN=256, BK=64, LOG2_BN=8, EVEN_K=True, TMA=True,
-                  E_DESC=store, E_DT=tl.bfloat16, FLATTEN=flatten, ASM=True)
+                  E_DESC=store, E_DT=tl.bfloat16, WHOLE_E=whole, FLATTEN=flatten, ASM=True)
     return (_compiled if compiled else _spilled)(logit_tiles._logit_tiles_kernel, sig, consts)
 
 

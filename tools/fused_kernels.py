@@ -43,11 +43,16 @@ VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
                                                                tile_m=64, num_warps=4, num_stages=2),
     dict(tma=True, tile_m=64, num_warps=4, num_stages=3), dict(tma=True, tile_n=128, num_warps=4),
     dict(tma=True, persistent=True, programs_per_sm=2, tile_n=128, num_warps=4),
-    dict(tma=True, tile_n=128, num_warps=8))]
+    dict(tma=True, tile_n=128, num_warps=8),
+    # the tile values in one store per tile (without q or pz), not one per half through one staging buffer
+    dict(tma=True, persistent=True, store_whole=True), dict(tma=True, persistent=True, flatten=True, store_whole=True))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
     {}, dict(flatten=False), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=False),
     # C's block asked into L2 before the K loop (the accumulations' read of C; dX and dW written do not read it)
-    dict(prefetch_c=True), dict(tile_m=256, tile_n=128, prefetch_c=True))]
+    dict(prefetch_c=True), dict(tile_m=256, tile_n=128, prefetch_c=True),
+    # a 16-bit C written in one store per tile (dW written, dX of one slice)
+    dict(store_whole=True), dict(tile_m=256, tile_n=128, store_whole=True),
+    dict(store_whole=True, prefetch_c=True))]
 # the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, 128x256, and the
 # two compute warpgroups in turns on 128x128 tiles where K is not sliced, off a ring of up to 5 stages)
 JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256),
@@ -62,7 +67,7 @@ def _tag(cfg):
             + " tma" * cfg.tma + " persistent" * cfg.persistent + " flatten" * cfg.flatten
             + f" {cfg.programs_per_sm}/sm" * (cfg.persistent and cfg.programs_per_sm > 1)
             + " mosaic" * getattr(cfg, "mosaic", False) + " pingpong" * getattr(cfg, "pingpong", False)
-            + " prefetch_c" * getattr(cfg, "prefetch_c", False))
+            + " prefetch_c" * getattr(cfg, "prefetch_c", False) + " store_whole" * cfg.store_whole)
 
 
 def grad_rows(n, h, v):

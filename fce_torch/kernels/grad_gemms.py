@@ -106,7 +106,8 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, c_raw, lo_
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
                  C_DESC: tl.constexpr, C_DT: tl.constexpr, PLANES: tl.constexpr,
                  ROWS_FAST: tl.constexpr, FLATTEN: tl.constexpr, SLICED: tl.constexpr,
-                 ON_LOAD: tl.constexpr, TILE_N: tl.constexpr, PREFETCH_C: tl.constexpr, ASM: tl.constexpr):
+                 ON_LOAD: tl.constexpr, TILE_N: tl.constexpr, PREFETCH_C: tl.constexpr, WHOLE_C: tl.constexpr,
+                 ASM: tl.constexpr):
     # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]; c_ptr / lo_ptr
     # when C_DESC (of C [n_slices, M, N] when PLANES). A program computes the (tile, slice) items pid, pid + P,
     # ... (P programs: one per item, or persistent); an item is its slice's K range [k_lo, k_hi) into the
@@ -117,6 +118,8 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, c_raw, lo_
     # (dz_rows rows, V columns, n_tiles tiles; mt_ptr .. cc_ptr as `TileValues.arrays`), turned into dZ in
     # registers before their product: A = dZ's rows (dX) or, with A_T, its columns (dW), each block in one tile.
     # c_raw / lo_raw: C and lo as pointers (the prefetch's addresses, PREFETCH_C) whatever c_ptr / lo_ptr are.
+    # WHOLE_C (WRITE of a 16-bit C by descriptor): the tile in one store, whose staging the next tile's store
+    # waits on; by halves, Triton stages both in one buffer and the right half waits for the left's store.
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     n_out = n_m * n_n
@@ -176,10 +179,13 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, c_raw, lo_
                 a = tl.trans(a)
             acc += fm.dot(a, b, PRECISION, ASM)
         plane = pid // n_out
-        left, right = column_halves(acc)
-        _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES, ASM)
-        _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES,
-                  ASM)
+        if WHOLE_C:
+            _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES, ASM)
+        else:
+            left, right = column_halves(acc)
+            _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES, ASM)
+            _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, C_DESC,
+                      PLANES, ASM)
 
 
 def _config():
@@ -240,8 +246,9 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
     (aa, bb), tma = descriptors([(a, a_block), (b, (cfg.tile_k, cfg.tile_n))], cfg)
     raw = [c] if lo is None else [c, lo]
-    half = (1,) * (c.dim() - 2) + (cfg.tile_m, cfg.tile_n // 2)  # the epilogue's column halves of a tile
-    outs, c_desc = descriptors([(o, half) for o in raw], cfg)
+    whole = cfg.store_whole and mode == WRITE and c.element_size() == 2
+    block = (1,) * (c.dim() - 2) + (cfg.tile_m, cfg.tile_n if whole else cfg.tile_n // 2)  # the epilogue's stores
+    outs, c_desc = descriptors([(o, block) for o in raw], cfg)
     a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
     _gemm_kernel[(programs(gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg, a.device),)](
         aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], raw[0], raw[-1], n, m, n, k, slice_k, slices, *values,
@@ -250,7 +257,7 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
         TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
         PLANES=c.dim() == 3, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
         FLATTEN=flattened(cfg, mode), SLICED=slices > 1, ON_LOAD=formed, TILE_N=tile_n,
-        PREFETCH_C=cfg.prefetch_c and fm.ASM and reads_c(mode, first), ASM=fm.ASM,
+        PREFETCH_C=cfg.prefetch_c and fm.ASM and reads_c(mode, first), WHOLE_C=whole and c_desc, ASM=fm.ASM,
         num_warps=cfg.num_warps,
         num_stages=stages(cfg, a.element_size()))
 
