@@ -252,8 +252,8 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
     _gemm_kernel[(programs(gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg, a.device),)](
         aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], raw[0], raw[-1], n, m, n, k, slice_k, slices, *values,
-        MODE=mode,
-        FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
+        MODE=mode, FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k,
+        EVEN_K=k % cfg.tile_k == 0,
         TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
         PLANES=c.dim() == 3, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
         FLATTEN=flattened(cfg, mode), SLICED=slices > 1, ON_LOAD=formed, TILE_N=tile_n,

@@ -33,10 +33,10 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
                         PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         LOG2_BN: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, E_DESC: tl.constexpr,
                         E_DT: tl.constexpr, WHOLE_E: tl.constexpr, FLATTEN: tl.constexpr, ASM: tl.constexpr):
-    # x_ptr / w_ptr: TMA descriptors of x [n, H] and w [V, H] when TMA; e_ptr one of e [n, V] (blocks of half a
-    # tile's columns) when E_DESC: a pointer tensor of the whole tile would not fit in the registers next to
-    # the accumulator (ptxas spilled kilobytes per thread), or of whole tiles with WHOLE_E (one store of both
-    # halves' values, GemmConfig.store_whole). A program computes the output tiles pid, pid + P,
+    # x_ptr / w_ptr: TMA descriptors of x [n, H] and w [V, H] when TMA; e_ptr one of e [n, V] when E_DESC (a
+    # pointer tensor of the whole tile would not fit in the registers next to the accumulator: ptxas spilled
+    # kilobytes per thread), in blocks of half a tile's columns, or of whole tiles with WHOLE_E (both halves'
+    # values in one store, GemmConfig.store_whole). A program computes the output tiles pid, pid + P,
     # ... (P programs: one per tile, or persistent). Row blocks vary fastest: the programs that run together
     # share one W tile, and the chunk's X stays in L2.
     n_m = tl.cdiv(n_rows, BM)
