@@ -1,15 +1,20 @@
 """The fused engine's kernels on the GPU, one call: every GemmConfig variant of the logits GEMM with its
-statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile values and partials; the JAX
-twin's Mosaic GPU kernel, GEMM_MOSAIC, against fce_torch's default), against
+statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile values and partials; with
+--mosaic-logits the JAX twin's Mosaic GPU kernel, GEMM_MOSAIC, against fce_torch's default), against
 cuBLAS / XLA's plain logits GEMM; then the dX and dW GEMMs and the (hi, lo) accumulation, in each twin's
 launch variants (fce_torch's Triton, the JAX twin's Mosaic GPU and Triton), every one's bits against fce_torch's
-default; and a chunk's backward with dZ formed on the GEMMs' operand load against the dZ pass (`on_load_rows`).
+default; and with --on-load a chunk's backward with dZ formed on the GEMMs' operand load against the dZ pass
+(`on_load_rows`).
 The logits variants (TMA loads, persistent programs) are fce_torch's; the JAX twin runs its one kernel for
 each. A development tool: its table guides GemmConfig and GradGemmConfig.
 
-Usage (GPU): python tools/fused_kernels.py OUT_DIR [--grads | --logits] [--variants I,J,...] [N,H,V ...]
-(--grads: the gradient GEMMs only; --logits: the logits GEMM only; --variants: only those logits VARIANTS, by
-index, none for an empty list; every row is printed with its seconds since the start and saved as it comes)
+Usage (GPU): python tools/fused_kernels.py OUT_DIR [--grads | --logits] [--variants I,J,...]
+[--grad-variants I,J,...] [--jax-grad-variants I,J,...] [--on-load] [--mosaic-logits] [N,H,V ...]
+(--grads: the gradient GEMMs only; --logits: the logits GEMM only; --variants, --grad-variants,
+--jax-grad-variants: only those VARIANTS, GRAD_VARIANTS, JAX_GRAD_VARIANTS, by index, none for an empty list;
+--on-load: also the chunk's backward with dZ formed on the GEMMs' load, `on_load_rows`; --mosaic-logits: also the
+JAX twin's Mosaic GPU logits GEMM, which did not return on the H200 (tools/mosaic_probe.py runs it under a
+limit); every row is printed with its seconds since the start and saved as it comes)
 """
 import dataclasses
 import json
@@ -70,7 +75,7 @@ def _tag(cfg):
             + " prefetch_c" * getattr(cfg, "prefetch_c", False) + " store_whole" * cfg.store_whole)
 
 
-def grad_rows(n, h, v):
+def grad_rows(n, h, v, torch_variants=GRAD_VARIANTS, jax_variants=JAX_GRAD_VARIANTS):
     """dX, dW and the (hi, lo) accumulation of a second chunk (of the fused engine's plan for bfloat16 at
     (n, h, v)) with each launch variant of either twin; every variant's bits against fce_torch's default."""
     rows = []
@@ -87,7 +92,7 @@ def grad_rows(n, h, v):
     pair = tg.dw_first(dz, x, torch.bfloat16)
     ref = dict(dx=_bits(tg.dx_gemm(dz, w, out)), dw=_bits(tg.dw_gemm(dz, x, torch.bfloat16)),
                pair=[_bits(p) for p in tg.dw_accumulate(dz, x, tuple(p.clone() for p in pair))])
-    for twin, variants in (("torch", GRAD_VARIANTS), ("jax", JAX_GRAD_VARIANTS)):
+    for twin, variants in (("torch", torch_variants), ("jax", jax_variants)):
         for cfg in variants:
             row = dict(shape=(m, h, v), twin=twin, cfg=f"grad {_tag(cfg)}")
             try:
@@ -281,19 +286,24 @@ def main():
     grads_only, logits_only = "--grads" in args, "--logits" in args
     if grads_only and logits_only:
         sys.exit("fused_kernels.py: --grads and --logits exclude each other (neither: both kinds of kernel)")
-    picked = None
-    if "--variants" in args:
-        at = args.index("--variants")
-        picked = [VARIANTS[int(i)] for i in args[at + 1].split(",") if i != "none"]
-        del args[at:at + 2]
-    out_dir, *shapes = [a for a in args if a not in ("--grads", "--logits")]
+    picked = {}
+    for option, variants in (("--variants", VARIANTS), ("--grad-variants", GRAD_VARIANTS),
+                             ("--jax-grad-variants", JAX_GRAD_VARIANTS)):
+        if option in args:
+            at = args.index(option)
+            picked[option] = [variants[int(i)] for i in args[at + 1].split(",") if i != "none"]
+            del args[at:at + 2]
+    on_load, mosaic_logits = "--on-load" in args, "--mosaic-logits" in args
+    out_dir, *shapes = [a for a in args if a not in ("--grads", "--logits", "--on-load", "--mosaic-logits")]
     os.makedirs(out_dir, exist_ok=True)
     shapes = [tuple(int(v) for v in s.split(",")) for s in shapes] or [
         (4096, 4096, 128256), (256, 4096, 128256), (8192, 640, 262144)]
     rows, t0 = [], time.perf_counter()
     for n, h, v in shapes:
         if grads_only:
-            rows += grad_rows(n, h, v) + _guarded(on_load_rows, n, h, v)
+            rows += grad_rows(n, h, v, picked.get("--grad-variants", GRAD_VARIANTS),
+                              picked.get("--jax-grad-variants", JAX_GRAD_VARIANTS))
+            rows += _guarded(on_load_rows, n, h, v) if on_load else []
             _save(out_dir, rows)  # a call stopped at its time limit keeps the shapes done
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -309,7 +319,7 @@ def main():
                                                        preferred_element_type=jnp.float32))
         ms = best_ms(lambda: xla(xj, wj).block_until_ready())
         _emit(out_dir, rows, dict(shape=(n, h, v), impl="xla_f32_out", ms=ms, tflops=flop / ms / 1e9), t0)
-        for cfg in VARIANTS if picked is None else picked:
+        for cfg in picked.get("--variants", VARIANTS):
             tag = _tag(cfg)
             kw = dict(spec=StatsSpec(), transform=Transform(), cfg=cfg)
             row = dict(shape=(n, h, v), cfg=tag)
@@ -336,10 +346,12 @@ def main():
         # and with class weights
         for spec, extra in ((StatsSpec(), {}), (StatsSpec(q=True, pz=True), {}),
                             (StatsSpec(q=True, pz=True), dict(temperature=0.7, bias=bias)),
-                            (StatsSpec(q=True), dict(cw=cw))):
+                            (StatsSpec(q=True), dict(cw=cw))) if mosaic_logits else ():
             _emit(out_dir, rows, _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, **extra), t0)
         if not logits_only:
-            rows += grad_rows(n, h, v) + _guarded(on_load_rows, n, h, v)
+            rows += grad_rows(n, h, v, picked.get("--grad-variants", GRAD_VARIANTS),
+                              picked.get("--jax-grad-variants", JAX_GRAD_VARIANTS))
+            rows += _guarded(on_load_rows, n, h, v) if on_load else []
         _save(out_dir, rows)
     print("\n| N,H,V | variant | torch ms | jax ms | torch TF/s | jax TF/s | bits e | bits parts |")
     for r in rows:
