@@ -98,10 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--logits-gemm", action="append", type=_launch_field(GemmConfig), default=[],
                         metavar="FIELD=VALUE",
                         help="run the fused engine's logits GEMM of both twins with this launch field of GemmConfig "
-                             "changed, e.g. store_whole=true (repeatable; recorded in the JSON)")
+                             "changed, e.g. mosaic=true (repeatable; recorded in the JSON)")
     common.add_argument("--grad-gemms", action="append", type=_launch_field(GradGemmConfig), default=[],
                         metavar="FIELD=VALUE",
-                        help="the same for the dX/dW GEMMs' GradGemmConfig, e.g. prefetch_c=true")
+                        help="the same for the dX/dW GEMMs' GradGemmConfig, e.g. pingpong=true")
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="bench", required=True)
     op = sub.add_parser("op", parents=[common], help="the loss alone, forward+backward and loss-only")

@@ -93,11 +93,6 @@ class GemmConfig:
     persistent: bool = True
     flatten: bool = False
     programs_per_sm: int = 1  # persistent programs per multiprocessor: two overlap one's epilogue with the other's MMAs
-    # fce_torch, tile values stored by descriptor without q or pz (whose sums beside the left half's e spill): the
-    # tile's e in one TMA store after both halves' sums instead of one store per half (which Triton stages in one
-    # buffer: the right half waited for the left's store to leave it); 64 KiB of staging at 128x256 instead of 32.
-    # Opt-in, not run on a GPU yet
-    store_whole: bool = False
     mosaic: bool = False
 
 
@@ -126,14 +121,6 @@ class GradGemmConfig:
     persistent: bool = False
     flatten: bool = False  # as GemmConfig's (fce_torch), where K is not sliced and C is not added to
     programs_per_sm: int = 1  # as GemmConfig's (fce_torch)
-    # Each tile's block of C asked into L2 before its K loop where the epilogue reads C (ADD, the (hi, lo) pair), so
-    # that the read waits on L2 instead of memory after the products (with `mosaic`: the blocks not already loaded
-    # into shared memory then); opt-in, not run on a GPU yet
-    prefetch_c: bool = False
-    # fce_torch: a 16-bit C written (WRITE) by one TMA store per tile instead of two column halves, which Triton
-    # stages in one shared buffer, so the second waits for the first to leave it (64 KiB of staging at 128x256
-    # instead of 32); opt-in, not run on a GPU yet
-    store_whole: bool = False
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
     # With `mosaic`, where K is not sliced: the two compute warpgroups take tiles of tile_m / 2 x tile_n in turns
     # off one ring of stages, one's epilogue under the other's wgmma (grad_gemms_mgpu's `_pingpong_kernel`);

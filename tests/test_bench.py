@@ -273,7 +273,7 @@ def test_cpo_pairs_option():
 
 
 def test_launch_options(monkeypatch):
-    """``--logits-gemm store_whole=true --grad-gemms prefetch_c=true`` take launch fields of GemmConfig and
+    """``--logits-gemm mosaic=true --grad-gemms pingpong=true`` take launch fields of GemmConfig and
     GradGemmConfig only (a NUMERICS field would change the bits), and `with_launches` sets them in both twins'
     engine launches."""
     import fce_jax.kernels.grad_gemms as jax_grads
@@ -282,14 +282,14 @@ def test_launch_options(monkeypatch):
     import fce_torch.kernels.logit_tiles as torch_logits
     from bench.__main__ import _parser, with_launches
 
-    args = _parser().parse_args(["op", "--grad-gemms", "prefetch_c=true", "--grad-gemms", "num_stages=4",
-                                 "--logits-gemm", "store_whole=true"])
-    assert dict(args.grad_gemms) == {"prefetch_c": True, "num_stages": 4}
-    assert dict(args.logits_gemm) == {"store_whole": True}
+    args = _parser().parse_args(["op", "--grad-gemms", "pingpong=true", "--grad-gemms", "num_stages=4",
+                                 "--logits-gemm", "mosaic=true"])
+    assert dict(args.grad_gemms) == {"pingpong": True, "num_stages": 4}
+    assert dict(args.logits_gemm) == {"mosaic": True}
     assert _parser().parse_args(["op"]).grad_gemms == []
     for option, bad in (("--grad-gemms", "tile_k=32"), ("--grad-gemms", "split_m=64"), ("--logits-gemm", "tile_n=128"),
-                        ("--grad-gemms", "prefetch_c=yes"), ("--grad-gemms", "num_stages=x"),
-                        ("--logits-gemm", "prefetch_c=true"), ("--grad-gemms", "prefetch_c")):
+                        ("--grad-gemms", "pingpong=yes"), ("--grad-gemms", "num_stages=x"),
+                        ("--logits-gemm", "pingpong=true"), ("--grad-gemms", "pingpong")):
         with pytest.raises(SystemExit):
             _parser().parse_args(["op", option, bad])
     names = {torch_grads: ("GRAD_GEMM_TORCH", "GRAD_GEMM_TORCH_TALL", "GRAD_GEMM_TORCH_ON_LOAD"),
@@ -297,6 +297,6 @@ def test_launch_options(monkeypatch):
     for module, module_names in names.items():
         for name in module_names:
             monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
-    with_launches({"store_whole": True}, {"prefetch_c": True})
-    assert all(getattr(m, n).prefetch_c for m in (torch_grads, jax_grads) for n in names[m])
-    assert torch_logits.GEMM.store_whole and jax_logits.GEMM.store_whole
+    with_launches({"mosaic": True}, {"pingpong": True})
+    assert all(getattr(m, n).pingpong for m in (torch_grads, jax_grads) for n in names[m])
+    assert torch_logits.GEMM.mosaic and jax_logits.GEMM.mosaic

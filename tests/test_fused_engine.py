@@ -29,8 +29,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from fce_core.config import GEMM_INTERPRETER
 from fce_core.contract import FUSED_SOFTCAP_WITH_SMOOTHING, FUSED_SOFTCAP_WITH_SMOOTHING_F16, check_engine
@@ -38,7 +36,6 @@ from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_core.plan import layout, plan_rows
 from fce_core.rows import tile_weights
-from fce_torch.kernels import grad_gemms as torch_grad_gemms
 from helpers import to_jax, to_torch
 from parity.cases import IGNORE_INDEX, Case, make_inputs
 from parity.reference import as_float64
@@ -448,8 +445,7 @@ def test_logit_tiles_and_merge(k, name):
 
 LAUNCHES = [dict(tma=t, persistent=p) for t in (False, True) for p in (False, True)] + [
     dict(tile_m=32, tile_n=32, tma=True, persistent=True), dict(tma=True, persistent=True, flatten=True),
-    dict(tile_m=32, tma=True, persistent=True, programs_per_sm=2), dict(tma=True, persistent=True, store_whole=True),
-    dict(tma=True, persistent=True, flatten=True, store_whole=True)]
+    dict(tile_m=32, tma=True, persistent=True, programs_per_sm=2)]
 
 
 ON_LOAD_SHAPES = {  # rows, H, V: V a partial tile (pointer loads in fce_torch), V of whole 16-byte rows (TMA)
@@ -630,11 +626,9 @@ def test_torch_dx_launch_takes_the_fewest_rounds(monkeypatch):
 @pytest.mark.parametrize("dtype, hidden", [("bfloat16", 48), ("float32", 20), ("bfloat16", 20)])
 def test_torch_launch_variants_same_bits(dtype, hidden):
     """fce_torch's GEMMs with and without TMA operand loads, the persistent launch (two programs per
-    multiprocessor too), whole tiles stored at once (`store_whole`) and other tiles (the logits GEMM's rows,
-    dX/dW): the same bits for the logits GEMM's tile values and partials (with q and pz, and without, where the
-    tile values may be stored whole), dX over several V slices and over one (its C written in the input dtype),
-    and dW written, accumulated in float32 and as the (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are
-    not TMA-aligned: pointer loads there."""
+    multiprocessor too) and other tiles (the logits GEMM's rows, dX/dW): the same bits for the logits GEMM's
+    tile values and partials, dX over several V slices, and dW written, accumulated in float32 and as the
+    (hi, lo) pair. Rows of 40 bytes (bfloat16, H = 20) are not TMA-aligned: pointer loads there."""
     from fce_core.config import GRAD_GEMM_INTERPRETER
     from fce_core.plan import dx_slices
     from fce_torch.kernels import grad_gemms, logit_tiles
@@ -650,7 +644,7 @@ def test_torch_launch_variants_same_bits(dtype, hidden):
     dz = (torch.randn(n, v, generator=g) * 0.1).to(dt)
     y = torch.randint(0, v, (n,), generator=g)
     assert tma_ready(x, w, dz) == (hidden * dz.element_size() % 16 == 0)
-    assert dx_slices(n, hidden, v, GRAD_GEMM_INTERPRETER) > 1 and dx_slices(n, hidden, 64, GRAD_GEMM_INTERPRETER) == 1
+    assert dx_slices(n, hidden, v, GRAD_GEMM_INTERPRETER) > 1
     precision = "ieee"
     runs = []
     for launch in LAUNCHES:
@@ -658,44 +652,16 @@ def test_torch_launch_variants_same_bits(dtype, hidden):
         grad_cfg = dataclasses.replace(GRAD_GEMM_INTERPRETER, **launch)
         e, parts = logit_tiles.logit_tiles(x, w, None, y, None, spec=StatsSpec(q=True, pz=True),
                                            transform=Transform(), precision=precision, cfg=cfg)
-        e_plain, parts_plain = logit_tiles.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(),
-                                                       precision=precision, cfg=cfg)
         dx = grad_gemms.dx_gemm(dz, w, torch.empty_like(x), precision, cfg=grad_cfg)
-        dx_one = grad_gemms.dx_gemm(dz[:, :64].contiguous(), w[:64], torch.empty_like(x), precision, cfg=grad_cfg)
         acc = grad_gemms.dw_first(dz[:20], x[:20], dt, precision, cfg=grad_cfg)
         acc = grad_gemms.dw_accumulate(dz[20:], x[20:], acc, precision, cfg=grad_cfg)
         written = grad_gemms.dw_gemm(dz, x, dt, precision, cfg=grad_cfg)
-        runs.append([e, *parts.values(), e_plain, *parts_plain.values(), dx, dx_one,
-                     *(acc if isinstance(acc, tuple) else (acc,)), written])
+        runs.append([e, *parts.values(), dx, *(acc if isinstance(acc, tuple) else (acc,)), written])
     want = (dz.double() @ w.double(), dz.double().T @ x.double())
     assert float((runs[0][-1].double() - want[1]).abs().max()) <= 1e-2 * float(want[1].abs().max())
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
-
-
-@triton.jit
-def _c_lines_kernel(out_ptr, r0, c0, s_cm, M, N, BM: tl.constexpr, BN: tl.constexpr, ITEM_BITS: tl.constexpr,
-                    PER_ROW: tl.constexpr):
-    at = tl.arange(0, BM)[:, None] * PER_ROW + tl.arange(0, PER_ROW)[None, :]
-    tl.store(out_ptr + at, torch_grad_gemms.c_lines(r0, c0, s_cm, M, N, BM, BN, ITEM_BITS))
-
-
-@pytest.mark.parametrize("bits, block_n", [(16, 256), (8, 256), (32, 64), (16, 32)])
-def test_torch_prefetch_lines_cover_c_blocks(bits, block_n):
-    """`grad_gemms.c_lines`, the addresses that GradGemmConfig.prefetch_c asks L2 for before each tile's K loop
-    (the prefetch itself is PTX: tests/test_sm90_registers.py finds it there): one in each 128-byte line of the
-    block's rows inside C and nothing outside C, for blocks inside C and across its last rows and columns."""
-    line = 1024 // bits
-    per_row = max(1, block_n // line)
-    m, n, s_cm, bm = 40, 2 * block_n + block_n // 2 - 8, 3 * block_n + 8, 16  # the last block's right lines cut
-    for r0, c0 in ((0, 0), (16, block_n), (32, 2 * block_n)):  # inside C; the last rows and columns cut
-        out = torch.empty(bm, per_row, dtype=torch.int64)
-        _c_lines_kernel[(1,)](out, r0, c0, s_cm, m, n, BM=bm, BN=block_n, ITEM_BITS=bits, PER_ROW=per_row)
-        want = {r * s_cm + c for r in range(r0, min(r0 + bm, m)) for c in range(c0, min(c0 + block_n, n), line)}
-        got = set(out.flatten().tolist())
-        assert want <= got and got - want <= {r0 * s_cm + c0}
-        assert all(0 <= o < (m - 1) * s_cm + n for o in got)
 
 
 @each_kernel_twin
@@ -1091,14 +1057,12 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from jax.experimental.mosaic.gpu import core as mosaic_core
-
     from fce_core.config import GRAD_GEMM_MOSAIC as cfg
     from fce_core.plan import dx_slices
     from fce_jax.kernels import grad_gemms as jg
-    from fce_jax.kernels import grad_gemms_mgpu, launch, mgpu
+    from fce_jax.kernels import launch, mgpu
 
-    for module in (launch, mgpu, jg, grad_gemms_mgpu):
+    for module in (launch, mgpu, jg):
         monkeypatch.setattr(module, "interpret_mode", lambda: False)
     monkeypatch.setattr(mgpu, "_cores", lambda: 132)
     s, bf, f16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float16, jnp.float32
@@ -1141,26 +1105,6 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
                    s((262144, 640), bf), s((512, 640), bf))
     assert "mosaic_gpu" not in text and "xla.gpu.triton" in text
     assert dx_slices(256, 4096, 128256, cfg) > 1 and dx_slices(1024, 4096, 128256, cfg) == 1
-    # `prefetch_c`: the (hi, lo) blocks that the epilogue loads after the K loop asked into L2 before it (read
-    # from the module before Mosaic GPU serializes it), in both schedules; none without the flag or where C is
-    # only written
-    modules, serde = [], mosaic_core._run_serde_pass
-
-    def keep(module, *args, **kw):
-        modules.append(str(module))
-        return serde(module, *args, **kw)
-
-    monkeypatch.setattr(mosaic_core, "_run_serde_pass", keep)
-    dz, x, hi, lo = s((1024, 128256), bf), s((1024, 4096), bf), s((128256, 4096), bf), s((128256, 4096), jnp.int8)
-    for c in (cfg, dataclasses.replace(cfg, pingpong=True)):
-        counts = []
-        for flag in (False, True):
-            c_flag = dataclasses.replace(c, prefetch_c=flag)
-            lowered(lambda a, b, d, e: jg.dw_accumulate(a, b, (d, e), cfg=c_flag), dz, x, hi, lo)
-            counts.append(modules[-1].count("cp.async.bulk.prefetch.tensor"))
-            lowered(lambda a, b: jg.dw_first(a, b, bf, cfg=c_flag), dz, x)
-            counts.append(modules[-1].count("cp.async.bulk.prefetch.tensor"))
-        assert counts[0] == counts[1] == counts[3] == 0 and counts[2] > 0, counts
 
 
 def _mosaic_tile_inputs(n, v=320, scale=1.0, seed=17):

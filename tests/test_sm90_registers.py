@@ -27,12 +27,9 @@ def _compiled(kernel, signature, constants, warps=8, stages=3, aligned=()):
 
 
 def _spilled(kernel, signature, constants, warps=8, stages=3, aligned=()):
-    return _ptx_spills(_compiled(kernel, signature, constants, warps, stages, aligned).asm["ptx"])
-
-
-def _ptx_spills(ptx):
-    """Bytes of spill stores per thread that ptxas reports for `ptx` (sm_90a)."""
+    compiled = _compiled(kernel, signature, constants, warps, stages, aligned)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptx = compiled.asm["ptx"]
     result = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", "-", "-o", os.devnull], input=ptx,
                             capture_output=True, text=True, check=False)
     if result.returncode:  # older ptxas read no stdin: a file then
@@ -60,45 +57,6 @@ def test_grad_gemm_forming_dz_on_load_does_not_spill(a_t):
     assert _in_compiler("grad", 0, False, 128, 256, "bf16", a_t, False, False, True) == 0
 
 
-@pytest.mark.parametrize("mode, c_dt", [(2, "bf16"), (1, "fp32")])
-def test_grad_gemm_prefetches_c_without_spilling(mode, c_dt):
-    """GradGemmConfig.prefetch_c on the default dW launch (128x256; the (hi, lo) pair's flattened, float32's
-    added to C not): the epilogues that read C ask L2 for its block before the K loop (`prefetch.global.L2` in
-    the PTX) with nothing spilled; without it no prefetch."""
-    spilled, prefetches = _in_compiler("prefetching", mode, c_dt, True)
-    assert spilled == 0 and prefetches > 0
-    assert _in_compiler("prefetching", mode, c_dt, False)[1] == 0
-
-
-def _prefetching(mode, c_dt, prefetch_c):
-    """(bytes spilled per thread, prefetch instructions) of dW's (mode) launch with or without prefetch_c."""
-    ptx = _grad(mode, False, 128, 256, c_dt, True, compiled=True, prefetch_c=prefetch_c).asm["ptx"]
-    return _ptx_spills(ptx), ptx.count("prefetch.global.L2")
-
-
-@pytest.mark.parametrize("kernel", ["dw", "dx", "logits"])
-def test_whole_tile_stores_fit(kernel):
-    """`store_whole` (GemmConfig's tile values without q or pz, GradGemmConfig's 16-bit C written): one TMA store
-    per tile, staged in 64 KiB of shared memory, fits beside the 3-stage pipeline of 128x256x64 (sm_90a: 227 KiB
-    a block) with nothing spilled, and the epilogue waits on fewer stores (by halves, Triton stages both in one
-    buffer and the right half waits for the left's store to leave it)."""
-    halves, whole = (_in_compiler("store_waits", kernel, w) for w in (False, True))
-    assert whole["spilled"] == 0 and whole["shared"] <= 232448
-    assert whole["waits"] < halves["waits"] and whole["shared"] - halves["shared"] == 32 * 1024
-
-
-def _store_waits(kernel, whole):
-    """Bytes spilled, shared memory and TMA store waits inside the tile loop of `kernel`'s launch."""
-    if kernel == "logits":
-        compiled = _logits(True, compiled=True, whole=whole)
-    else:
-        compiled = _grad(0, False, 128, 256, "bf16", kernel == "dw", compiled=True, whole=whole)
-    ir = compiled.asm["ttgir"]
-    body = ir[ir.index("scf.for"):]
-    return dict(spilled=_ptx_spills(compiled.asm["ptx"]), shared=compiled.metadata.shared,
-                waits=body.count("ttng.async_tma_store_wait"))
-
-
 @pytest.mark.parametrize("sliced", [False, True])
 def test_grad_gemm_loops_flatten_where_k_is_unsliced(sliced):
     """FLATTEN pipelines the tile loop and its K loop as one (the next tile's loads overlap this tile's
@@ -123,22 +81,22 @@ def _grad_loop_depth(sliced):
     return deepest
 
 
-def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False, on_load=False, prefetch_c=False,
-          whole=False):
+def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False, on_load=False):
     from fce_core.config import GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_ON_LOAD
     from fce_torch.kernels import grad_gemms
-    c_block = f"[{bm},{bn if whole else bn // 2}]"
+    c_block = f"[{bm},{bn // 2}]"
     sig = dict(a_ptr=f"tensordesc<bf16[64,{bm}]>" if a_t else f"tensordesc<bf16[{bm},64]>", s_am="i32",
                s_ak="i32", b_ptr=f"tensordesc<bf16[64,{bn}]>", s_bk="i32", s_bn="i32",
                c_ptr=f"tensordesc<{c_dt}{c_block}>", lo_ptr=f"tensordesc<{'i8' if mode == 2 else c_dt}{c_block}>",
-               c_raw=f"*{c_dt}", lo_raw="*i8" if mode == 2 else f"*{c_dt}", s_cm="i32", M="i32", N="i32", K="i32", SLICE_K="i32", n_slices="i32", mt_ptr="*fp32", y_ptr="*i64",
+               s_cm="i32", M="i32", N="i32", K="i32", SLICE_K="i32", n_slices="i32", mt_ptr="*fp32", y_ptr="*i64",
                lse_ptr="*fp32", ca_ptr="*fp32", cb_ptr="*fp32", cc_ptr="*fp32", dz_rows="i32", V="i32",
                n_tiles="i32")
     dt = tl.bfloat16 if c_dt == "bf16" else tl.float32
     consts = dict(MODE=mode, FIRST=first, PRECISION="ieee", BM=bm, BN=bn, BK=64, EVEN_K=True, TMA=True, A_T=a_t,
                   C_DESC=True, C_DT=dt, PLANES=False, ROWS_FAST=False,
                   FLATTEN=grad_gemms.flattened(GRAD_GEMM_TORCH_ON_LOAD if on_load else GRAD_GEMM_TORCH, mode),
-                  SLICED=sliced, ON_LOAD=on_load, TILE_N=256, PREFETCH_C=prefetch_c, WHOLE_C=whole, ASM=True)
+                  SLICED=sliced, ON_LOAD=on_load, TILE_N=256,
+                  ASM=True)
     return (_compiled if compiled else _spilled)(grad_gemms._gemm_kernel, sig, consts)
 
 
@@ -186,16 +144,15 @@ def _logits_epilogue():
     return ptx.count("bar.sync"), ptx.count("ld.shared.v4")
 
 
-def _logits(store, q=False, compiled=False, flatten=False, whole=False):
+def _logits(store, q=False, compiled=False, flatten=False):
     from fce_torch.kernels import logit_tiles
     sig = dict(x_ptr="tensordesc<bf16[128,64]>", w_ptr="tensordesc<bf16[256,64]>", bias_ptr="*bf16",
-               y_ptr="*i32", cw_ptr="*fp32", e_ptr=f"tensordesc<bf16[128,{256 if whole else 128}]>", stride_e="i32",
-               m_ptr="*fp32",
+               y_ptr="*i32", cw_ptr="*fp32", e_ptr="tensordesc<bf16[128,128]>", stride_e="i32", m_ptr="*fp32",
                s_ptr="*fp32", arg_ptr="*i32", zy_ptr="*fp32", q_ptr="*fp32", pz_ptr="*fp32", n_rows="i32",
                V="i32", H="i32", n_tiles="i32", softcap="fp32", temperature="fp32")
     consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_TEMP=False, HAS_CW=False, HAS_Q=q, HAS_PZ=q,
                   STORE=store, PRECISION="ieee", BM=128, BN=256, BK=64, LOG2_BN=8, EVEN_K=True, TMA=True,
-                  E_DESC=store, E_DT=tl.bfloat16, WHOLE_E=whole, FLATTEN=flatten, ASM=True)
+                  E_DESC=store, E_DT=tl.bfloat16, FLATTEN=flatten, ASM=True)
     return (_compiled if compiled else _spilled)(logit_tiles._logit_tiles_kernel, sig, consts)
 
 

@@ -48,34 +48,23 @@ VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
                                                                tile_m=64, num_warps=4, num_stages=2),
     dict(tma=True, tile_m=64, num_warps=4, num_stages=3), dict(tma=True, tile_n=128, num_warps=4),
     dict(tma=True, persistent=True, programs_per_sm=2, tile_n=128, num_warps=4),
-    dict(tma=True, tile_n=128, num_warps=8),
-    # the tile values in one store per tile (without q or pz), not one per half through one staging buffer
-    dict(tma=True, persistent=True, store_whole=True), dict(tma=True, persistent=True, flatten=True, store_whole=True))]
+    dict(tma=True, tile_n=128, num_warps=8))]
 GRAD_VARIANTS = [dataclasses.replace(GRAD_GEMM_TORCH, **kw) for kw in (  # fce_torch's Triton launches
-    {}, dict(flatten=False), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=False),
-    # C's block asked into L2 before the K loop (the accumulations' read of C; dX and dW written do not read it)
-    dict(prefetch_c=True), dict(tile_m=256, tile_n=128, prefetch_c=True),
-    # a 16-bit C written in one store per tile (dW written, dX of one slice)
-    dict(store_whole=True), dict(tile_m=256, tile_n=128, store_whole=True),
-    dict(store_whole=True, prefetch_c=True))]
+    {}, dict(flatten=False), dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, flatten=False))]
 # the JAX twin's launches: the Triton lowering (its float32 one) and Mosaic GPU's (its default, 128x256, and the
 # two compute warpgroups in turns on 128x128 tiles where K is not sliced, off a ring of up to 5 stages)
 JAX_GRAD_VARIANTS = [GRAD_GEMM, GRAD_GEMM_MOSAIC, dataclasses.replace(GRAD_GEMM_MOSAIC, tile_m=128, tile_n=256),
-                     dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, num_stages=5),
-                     # the C blocks loaded after the K loop asked into L2 before it (the accumulations)
-                     dataclasses.replace(GRAD_GEMM_MOSAIC, prefetch_c=True),
-                     dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, num_stages=5, prefetch_c=True)]
+                     dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, num_stages=5)]
 
 
 def _tag(cfg):
     return (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} w{cfg.num_warps} s{cfg.num_stages}"
             + " tma" * cfg.tma + " persistent" * cfg.persistent + " flatten" * cfg.flatten
             + f" {cfg.programs_per_sm}/sm" * (cfg.persistent and cfg.programs_per_sm > 1)
-            + " mosaic" * getattr(cfg, "mosaic", False) + " pingpong" * getattr(cfg, "pingpong", False)
-            + " prefetch_c" * getattr(cfg, "prefetch_c", False) + " store_whole" * cfg.store_whole)
+            + " mosaic" * getattr(cfg, "mosaic", False) + " pingpong" * getattr(cfg, "pingpong", False))
 
 
-def grad_rows(n, h, v, torch_variants=GRAD_VARIANTS, jax_variants=JAX_GRAD_VARIANTS):
+def grad_rows(n, h, v, out_dir, t0, torch_variants=GRAD_VARIANTS, jax_variants=JAX_GRAD_VARIANTS):
     """dX, dW and the (hi, lo) accumulation of a second chunk (of the fused engine's plan for bfloat16 at
     (n, h, v)) with each launch variant of either twin; every variant's bits against fce_torch's default."""
     rows = []
@@ -301,7 +290,7 @@ def main():
     rows, t0 = [], time.perf_counter()
     for n, h, v in shapes:
         if grads_only:
-            rows += grad_rows(n, h, v, picked.get("--grad-variants", GRAD_VARIANTS),
+            rows += grad_rows(n, h, v, out_dir, t0, picked.get("--grad-variants", GRAD_VARIANTS),
                               picked.get("--jax-grad-variants", JAX_GRAD_VARIANTS))
             rows += _guarded(on_load_rows, n, h, v) if on_load else []
             _save(out_dir, rows)  # a call stopped at its time limit keeps the shapes done
@@ -349,7 +338,7 @@ def main():
                             (StatsSpec(q=True), dict(cw=cw))) if mosaic_logits else ():
             _emit(out_dir, rows, _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, **extra), t0)
         if not logits_only:
-            rows += grad_rows(n, h, v, picked.get("--grad-variants", GRAD_VARIANTS),
+            rows += grad_rows(n, h, v, out_dir, t0, picked.get("--grad-variants", GRAD_VARIANTS),
                               picked.get("--jax-grad-variants", JAX_GRAD_VARIANTS))
             rows += _guarded(on_load_rows, n, h, v) if on_load else []
         _save(out_dir, rows)

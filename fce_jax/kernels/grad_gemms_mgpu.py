@@ -21,7 +21,7 @@ from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, gemm_items, reads_c, rows
 from . import fastmath as fm
 from . import mgpu
 from .grad_gemms import F32, tma_rows
-from .launch import interpret_mode, typed
+from .launch import typed
 
 COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
 EPILOGUE_ROWS = 64   # rows of a compute warpgroup's epilogue block in shared memory
@@ -190,16 +190,14 @@ def _c_scratch(c_gmem, cfg, mode, first):
 class _CTile:
     """One compute warpgroup's tile of C (tile_m / 2 rows from `row0`, tile_n columns from `col0`; `plane`: the
     K slice's plane of 3-d C, or None), through its `_blocks`: `prefetch` loads the first blocks that the
-    epilogue reads (ADD, PAIR) before the K loop (and with `GradGemmConfig.prefetch_c` asks L2 for the others),
-    `finish` takes the float32 product and writes each block, loading a later block as soon as the store two
-    blocks before it has left its slot."""
+    epilogue reads (ADD, PAIR) before the K loop, `finish` takes the float32 product and writes each block,
+    loading a later block as soon as the store two blocks before it has left its slot."""
 
     def __init__(self, c_gmem, epi, bars, wg, row0, col0, plane, cfg, mode, first):
         self.c_gmem, self.epi, self.bars, self.wg, self.row0, self.col0, self.plane = (c_gmem, epi, bars, wg, row0,
                                                                                        col0, plane)
         self.mode, self.first, self.loads = mode, first, reads_c(mode, first)
         self.blocks, (self.rows_e, self.cols_e), self.slots = _blocks(cfg, self.loads)
-        self.to_l2 = cfg.prefetch_c and not interpret_mode()  # a hint, which the interpreter does not take
 
     def dst(self, b):  # block b's part of C in global memory
         i, j = self.blocks[b]
@@ -219,9 +217,6 @@ class _CTile:
 
     def prefetch(self):
         if self.loads:
-            for b in range(self.slots, len(self.blocks) if self.to_l2 else 0):  # read after the K loop: from L2
-                for d in self.dst(b):
-                    plgpu.async_prefetch(d)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores have left the slots
             for b in range(min(self.slots, len(self.blocks))):
                 self.load(b)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH_TALL
 from fce_core.heads import TileValues
-from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, cdiv, dx_slices, gemm_items, reads_c, rows_fast, waves
+from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, cdiv, dx_slices, gemm_items, rows_fast, waves
 
 from . import fastmath as fm
 from .dlogits import row_coefficients
@@ -56,27 +56,6 @@ def _c_store(c_ptr, plane, r0, c0, v, s_cm, M, N, DESC: tl.constexpr, PLANES: tl
 
 
 @triton.jit
-def c_lines(r0, c0, s_cm, M, N, BM: tl.constexpr, BN: tl.constexpr, ITEM_BITS: tl.constexpr):
-    """Offsets (in elements of ITEM_BITS) of one address in each 128-byte line of the 2-D C's [BM, BN] block at
-    (r0, c0): [BM, lines per row], those past C's end replaced by the block's first (which is inside C)."""
-    LINE: tl.constexpr = 1024 // ITEM_BITS  # elements of 128 bytes
-    PER_ROW: tl.constexpr = BN // LINE if BN > LINE else 1
-    rows = r0 + tl.arange(0, BM)
-    cols = c0 + tl.arange(0, PER_ROW) * LINE
-    at = rows.to(tl.int64)[:, None] * s_cm + cols[None, :]
-    return tl.where((rows < M)[:, None] & (cols < N)[None, :], at, r0.to(tl.int64) * s_cm + c0)
-
-
-@triton.jit
-def _prefetch_c(c_ptr, r0, c0, s_cm, M, N, BM: tl.constexpr, BN: tl.constexpr):
-    """Ask L2 for C's block before the K loop, so that the epilogue's read of it (ADD, the (hi, lo) pair) finds
-    it there instead of waiting on memory after the products. A hint: no value changes."""
-    lines = c_ptr + c_lines(r0, c0, s_cm, M, N, BM, BN, c_ptr.dtype.element_ty.primitive_bitwidth)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr, FIRST: tl.constexpr,
               C_DT: tl.constexpr, DESC: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
     """C's block at (r0, c0) from the float32 product `acc`: WRITE, ADD, the (hi, lo) PAIR update, or PAIR_LAST
@@ -100,14 +79,13 @@ def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr,
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, c_raw, lo_raw, s_cm, M, N, K, SLICE_K,
-                 n_slices, mt_ptr, y_ptr, lse_ptr, ca_ptr, cb_ptr, cc_ptr, dz_rows, V, n_tiles,
+def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
+                 mt_ptr, y_ptr, lse_ptr, ca_ptr, cb_ptr, cc_ptr, dz_rows, V, n_tiles,
                  MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr,
                  C_DESC: tl.constexpr, C_DT: tl.constexpr, PLANES: tl.constexpr,
                  ROWS_FAST: tl.constexpr, FLATTEN: tl.constexpr, SLICED: tl.constexpr,
-                 ON_LOAD: tl.constexpr, TILE_N: tl.constexpr, PREFETCH_C: tl.constexpr, WHOLE_C: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ON_LOAD: tl.constexpr, TILE_N: tl.constexpr, ASM: tl.constexpr):
     # a_ptr / b_ptr: TMA descriptors when TMA, of A [M, K] (of Aᵀ [K, M] when A_T) and B [K, N]; c_ptr / lo_ptr
     # when C_DESC (of C [n_slices, M, N] when PLANES). A program computes the (tile, slice) items pid, pid + P,
     # ... (P programs: one per item, or persistent); an item is its slice's K range [k_lo, k_hi) into the
@@ -117,9 +95,6 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, c_raw, lo_
     # staging of a float32 tile fit in shared memory next to the pipeline. ON_LOAD: A's blocks are tile values
     # (dz_rows rows, V columns, n_tiles tiles; mt_ptr .. cc_ptr as `TileValues.arrays`), turned into dZ in
     # registers before their product: A = dZ's rows (dX) or, with A_T, its columns (dW), each block in one tile.
-    # c_raw / lo_raw: C and lo as pointers (the prefetch's addresses, PREFETCH_C) whatever c_ptr / lo_ptr are.
-    # WHOLE_C (WRITE of a 16-bit C by descriptor): the tile in one store, whose staging the next tile's store
-    # waits on; by halves, Triton stages both in one buffer and the right half waits for the left's store.
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     n_out = n_m * n_n
@@ -136,10 +111,6 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, c_raw, lo_
         else:
             r0 = (tile // n_n) * BM
             c0 = (tile % n_n) * BN
-        if PREFETCH_C:
-            _prefetch_c(c_raw, r0, c0, s_cm, M, N, BM, BN)
-            if MODE >= 2:
-                _prefetch_c(lo_raw, r0, c0, s_cm, M, N, BM, BN)
         rows64 = (r0 + tl.arange(0, BM)).to(tl.int64)
         cols = c0 + tl.arange(0, BN)
         ks = tl.arange(0, BK)
@@ -179,13 +150,10 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, c_raw, lo_
                 a = tl.trans(a)
             acc += fm.dot(a, b, PRECISION, ASM)
         plane = pid // n_out
-        if WHOLE_C:
-            _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES, ASM)
-        else:
-            left, right = column_halves(acc)
-            _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES, ASM)
-            _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, C_DESC,
-                      PLANES, ASM)
+        left, right = column_halves(acc)
+        _epilogue(c_ptr, lo_ptr, plane, r0, c0, left, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES, ASM)
+        _epilogue(c_ptr, lo_ptr, plane, r0, c0 + BN // 2, right, s_cm, M, N, MODE, FIRST, C_DT, C_DESC, PLANES,
+                  ASM)
 
 
 def _config():
@@ -245,19 +213,16 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     slice_k = cdiv(cdiv(k, slices), cfg.tile_k) * cfg.tile_k
     a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
     (aa, bb), tma = descriptors([(a, a_block), (b, (cfg.tile_k, cfg.tile_n))], cfg)
-    raw = [c] if lo is None else [c, lo]
-    whole = cfg.store_whole and mode == WRITE and c.element_size() == 2
-    block = (1,) * (c.dim() - 2) + (cfg.tile_m, cfg.tile_n if whole else cfg.tile_n // 2)  # the epilogue's stores
-    outs, c_desc = descriptors([(o, block) for o in raw], cfg)
+    outs = [c] if lo is None else [c, lo]
+    half = (1,) * (c.dim() - 2) + (cfg.tile_m, cfg.tile_n // 2)  # the epilogue's column halves of a tile
+    outs, c_desc = descriptors([(o, half) for o in outs], cfg)
     a_strides = (1, a.stride(0)) if a_t else (a.stride(0), 1)
     _gemm_kernel[(programs(gemm_items(m, n, slices, cfg.tile_m, cfg.tile_n), cfg, a.device),)](
-        aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], raw[0], raw[-1], n, m, n, k, slice_k, slices, *values,
-        MODE=mode, FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k,
-        EVEN_K=k % cfg.tile_k == 0,
+        aa, *a_strides, bb, b.stride(0), 1, outs[0], outs[-1], n, m, n, k, slice_k, slices, *values, MODE=mode,
+        FIRST=first, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k, EVEN_K=k % cfg.tile_k == 0,
         TMA=tma, A_T=a_t, C_DESC=c_desc, C_DT=ELEMENT_TYPES[c.dtype],
         PLANES=c.dim() == 3, ROWS_FAST=rows_fast(m, n, cfg.tile_m, cfg.tile_n),
-        FLATTEN=flattened(cfg, mode), SLICED=slices > 1, ON_LOAD=formed, TILE_N=tile_n,
-        PREFETCH_C=cfg.prefetch_c and fm.ASM and reads_c(mode, first), WHOLE_C=whole and c_desc, ASM=fm.ASM,
+        FLATTEN=flattened(cfg, mode), SLICED=slices > 1, ON_LOAD=formed, TILE_N=tile_n, ASM=fm.ASM,
         num_warps=cfg.num_warps,
         num_stages=stages(cfg, a.element_size()))
 

@@ -32,11 +32,10 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
                         HAS_CW: tl.constexpr, HAS_Q: tl.constexpr, HAS_PZ: tl.constexpr, STORE: tl.constexpr,
                         PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         LOG2_BN: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, E_DESC: tl.constexpr,
-                        E_DT: tl.constexpr, WHOLE_E: tl.constexpr, FLATTEN: tl.constexpr, ASM: tl.constexpr):
-    # x_ptr / w_ptr: TMA descriptors of x [n, H] and w [V, H] when TMA; e_ptr one of e [n, V] when E_DESC (a
-    # pointer tensor of the whole tile would not fit in the registers next to the accumulator: ptxas spilled
-    # kilobytes per thread), in blocks of half a tile's columns, or of whole tiles with WHOLE_E (both halves'
-    # values in one store, GemmConfig.store_whole). A program computes the output tiles pid, pid + P,
+                        E_DT: tl.constexpr, FLATTEN: tl.constexpr, ASM: tl.constexpr):
+    # x_ptr / w_ptr: TMA descriptors of x [n, H] and w [V, H] when TMA; e_ptr one of e [n, V] (blocks of half a
+    # tile's columns) when E_DESC: a pointer tensor of the whole tile would not fit in the registers next to
+    # the accumulator (ptxas spilled kilobytes per thread). A program computes the output tiles pid, pid + P,
     # ... (P programs: one per tile, or persistent). Row blocks vary fastest: the programs that run together
     # share one W tile, and the chunk's X stays in L2.
     n_m = tl.cdiv(n_rows, BM)
@@ -86,14 +85,11 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
         # the registers beside each other (sm_90a: 176 bytes spilled per thread with q and pz, 0 by halves);
         # each sum's last pair is the halves' trees
         z_l, z_r = column_halves(z)
-        s_l, q_l, pz_l, e_l = _half_sums(z_l, m_t, t * BN, V, cw_ptr, partial, e_ptr, r0, rows64, row_ok, stride_e,
-                                         HAS_Q, HAS_PZ, HAS_CW, STORE, E_DESC, E_DT, WHOLE_E, BM, BN // 2,
-                                         LOG2_BN - 1, ASM)
-        s_r, q_r, pz_r, e_r = _half_sums(z_r, m_t, t * BN + BN // 2, V, cw_ptr, partial, e_ptr, r0, rows64, row_ok,
-                                         stride_e, HAS_Q, HAS_PZ, HAS_CW, STORE, E_DESC, E_DT, WHOLE_E, BM, BN // 2,
-                                         LOG2_BN - 1, ASM)
-        if STORE and WHOLE_E:  # column_halves undone: the halves joined as the tile's columns
-            e_ptr.store([r0, t * BN], tl.join(e_l, e_r).permute(0, 2, 1).reshape([BM, BN]))
+        s_l, q_l, pz_l = _half_sums(z_l, m_t, t * BN, V, cw_ptr, partial, e_ptr, r0, rows64, row_ok, stride_e,
+                                    HAS_Q, HAS_PZ, HAS_CW, STORE, E_DESC, E_DT, BM, BN // 2, LOG2_BN - 1, ASM)
+        s_r, q_r, pz_r = _half_sums(z_r, m_t, t * BN + BN // 2, V, cw_ptr, partial, e_ptr, r0, rows64, row_ok,
+                                    stride_e, HAS_Q, HAS_PZ, HAS_CW, STORE, E_DESC, E_DT, BM, BN // 2, LOG2_BN - 1,
+                                    ASM)
         tl.store(s_ptr + part, s_l + s_r, mask=row_ok)
         if HAS_Q:
             tl.store(q_ptr + part, q_l + q_r, mask=row_ok)
@@ -104,17 +100,15 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
 @triton.jit
 def _half_sums(z, m_t, c0, V, cw_ptr, partial, e_ptr, r0, rows64, row_ok, stride_e, HAS_Q: tl.constexpr,
                HAS_PZ: tl.constexpr, HAS_CW: tl.constexpr, STORE: tl.constexpr, E_DESC: tl.constexpr,
-               E_DT: tl.constexpr, WHOLE_E: tl.constexpr, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr,
-               ASM: tl.constexpr):
+               E_DT: tl.constexpr, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr, ASM: tl.constexpr):
     """s, q and pz (s where not asked for) of the W columns c0 .. c0 + W of a tile, given their z (-inf past V)
-    and the tile's maxima, and their e in E_DT (stored with STORE, unless WHOLE_E leaves that to the kernel):
-    the kernel's arithmetic on part of the columns."""
+    and the tile's maxima, and its e stored: the kernel's arithmetic on part of the columns."""
     cols = c0 + tl.arange(0, W)
     d = z - m_t[:, None]
     e = fm.ex2(d * LOG2E, ASM)
     s = row_sum(e, BM, W, LOG2_W, ASM)
-    e16 = fm.to_dtype(e, E_DT, ASM)
-    if STORE and not WHOLE_E:
+    if STORE:
+        e16 = fm.to_dtype(e, E_DT, ASM)
         if E_DESC:
             e_ptr.store([r0, c0], e16)
         else:
@@ -131,7 +125,7 @@ def _half_sums(z, m_t, c0, V, cw_ptr, partial, e_ptr, r0, rows64, row_ok, stride
         q = row_sum(d_w, BM, W, LOG2_W, ASM)
     if HAS_PZ:
         pz = row_sum(fm.mul(e, d, ASM), BM, W, LOG2_W, ASM)
-    return s, q, pz, e16
+    return s, q, pz
 
 
 @triton.jit
@@ -223,9 +217,7 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
         return e, parts
     m = parts["m"]
     (xa, wa), tma = descriptors([(x, (cfg.tile_m, cfg.tile_k)), (w, (cfg.tile_n, cfg.tile_k))], cfg)
-    whole = cfg.store_whole and not (spec.q or spec.pz)  # with q or pz the left half's e would spill beside them
-    e_block = (cfg.tile_m, cfg.tile_n if whole else cfg.tile_n // 2)
-    (ea,), e_desc = descriptors([(e, e_block)], cfg) if e is not None else ([x], False)
+    (ea,), e_desc = descriptors([(e, (cfg.tile_m, cfg.tile_n // 2))], cfg) if e is not None else ([x], False)
     _logit_tiles_kernel[(programs(cdiv(n, cfg.tile_m) * n_tiles, cfg, x.device),)](
         xa, wa, bias if bias is not None else x, y_safe, class_weights if class_weights is not None else m,
         ea, 0 if e is None else e.stride(0), m, parts["s"], parts["amax"], parts["zy"],
@@ -234,7 +226,7 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
         HAS_TEMP=transform.has_temperature, HAS_CW=class_weights is not None, HAS_Q=spec.q, HAS_PZ=spec.pz,
         STORE=e is not None, PRECISION=precision, BM=cfg.tile_m, BN=cfg.tile_n, BK=cfg.tile_k,
         LOG2_BN=cfg.tile_n.bit_length() - 1, EVEN_K=hidden % cfg.tile_k == 0, TMA=tma,
-        E_DESC=e_desc, E_DT=ELEMENT_TYPES[(x if e is None else e).dtype], WHOLE_E=whole and e_desc,
+        E_DESC=e_desc, E_DT=ELEMENT_TYPES[(x if e is None else e).dtype],
         FLATTEN=cfg.persistent and cfg.flatten, ASM=fm.ASM,
         num_warps=cfg.num_warps, num_stages=stages(cfg, x.element_size()))
     return e, parts
