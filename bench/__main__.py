@@ -18,6 +18,8 @@ import re
 import sys
 from pathlib import Path
 
+from fce_core.config import GemmConfig, GradGemmConfig  # plain dataclasses: nothing imports triton or jax here
+
 
 def _shape(text: str) -> tuple[int, int, int] | str:
     if text == "anchors":
@@ -93,8 +95,6 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--reps", type=int, metavar="K",
                         help="timed repetitions per cell, op and cpo (default 20; smoke 2)")
     common.add_argument("--warmup", type=int, metavar="K", help="untimed calls per cell first (default 3; smoke 0)")
-    from fce_core.config import GemmConfig, GradGemmConfig
-
     common.add_argument("--logits-gemm", action="append", type=_launch_field(GemmConfig), default=[],
                         metavar="FIELD=VALUE",
                         help="run the fused engine's logits GEMM of both twins with this launch field of GemmConfig "

@@ -64,10 +64,10 @@ def _tag(cfg):
             + " mosaic" * getattr(cfg, "mosaic", False) + " pingpong" * getattr(cfg, "pingpong", False))
 
 
-def grad_rows(n, h, v, out_dir, t0, torch_variants=GRAD_VARIANTS, jax_variants=JAX_GRAD_VARIANTS):
+def grad_rows(n, h, v, rows, out_dir, t0, torch_variants=GRAD_VARIANTS, jax_variants=JAX_GRAD_VARIANTS):
     """dX, dW and the (hi, lo) accumulation of a second chunk (of the fused engine's plan for bfloat16 at
-    (n, h, v)) with each launch variant of either twin; every variant's bits against fce_torch's default."""
-    rows = []
+    (n, h, v)) with each launch variant of either twin, appended to `rows` (saved as each comes); every variant's
+    bits against fce_torch's default."""
     m = min(n, fused_rows(n, h, v, 2, need_grads=True, dw_pair=True).rows)
     g = torch.Generator(device="cuda").manual_seed(1)
     dz = (torch.randn(m, v, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
@@ -114,7 +114,6 @@ def grad_rows(n, h, v, out_dir, t0, torch_variants=GRAD_VARIANTS, jax_variants=J
             except Exception as exc:  # noqa: BLE001  (a variant that does not compile is reported)
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
             _emit(out_dir, rows, row, t0)
-    return rows
 
 
 def on_load_rows(n, h, v):
@@ -288,12 +287,16 @@ def main():
     shapes = [tuple(int(v) for v in s.split(",")) for s in shapes] or [
         (4096, 4096, 128256), (256, 4096, 128256), (8192, 640, 262144)]
     rows, t0 = [], time.perf_counter()
+
+    def backward_rows(n, h, v):
+        grad_rows(n, h, v, rows, out_dir, t0, picked.get("--grad-variants", GRAD_VARIANTS),
+                  picked.get("--jax-grad-variants", JAX_GRAD_VARIANTS))
+        rows.extend(_guarded(on_load_rows, n, h, v) if on_load else [])
+        _save(out_dir, rows)  # a call stopped at its time limit keeps the shapes done
+
     for n, h, v in shapes:
         if grads_only:
-            rows += grad_rows(n, h, v, out_dir, t0, picked.get("--grad-variants", GRAD_VARIANTS),
-                              picked.get("--jax-grad-variants", JAX_GRAD_VARIANTS))
-            rows += _guarded(on_load_rows, n, h, v) if on_load else []
-            _save(out_dir, rows)  # a call stopped at its time limit keeps the shapes done
+            backward_rows(n, h, v)
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
@@ -338,9 +341,7 @@ def main():
                             (StatsSpec(q=True), dict(cw=cw))) if mosaic_logits else ():
             _emit(out_dir, rows, _mosaic_logits_row(x, w, y, xj, wj, yj, flop, spec, **extra), t0)
         if not logits_only:
-            rows += grad_rows(n, h, v, out_dir, t0, picked.get("--grad-variants", GRAD_VARIANTS),
-                              picked.get("--jax-grad-variants", JAX_GRAD_VARIANTS))
-            rows += _guarded(on_load_rows, n, h, v) if on_load else []
+            backward_rows(n, h, v)
         _save(out_dir, rows)
     print("\n| N,H,V | variant | torch ms | jax ms | torch TF/s | jax TF/s | bits e | bits parts |")
     for r in rows:
