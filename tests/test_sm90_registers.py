@@ -1,8 +1,8 @@
 """fce_torch's GEMM kernels compiled for the H200 (sm_90a) on this CPU, with the ptxas that the triton wheel
 ships: their epilogues must not spill registers (a pointer tensor of a whole output tile beside the
 accumulator spilled kilobytes per thread, bench/results/nvidia-h200/epilogue-registers/), and the tile merge
-must compile where its launch specializes. Compiled in a subprocess: this process runs the kernels in the
-Triton interpreter."""
+must compile where its launch specializes; so must the Gluon prototype of the (hi, lo) accumulation
+(tools/gluon_dw.py). Compiled in a subprocess: this process runs the kernels in the Triton interpreter."""
 import json
 import os
 import re
@@ -182,3 +182,21 @@ def _in_compiler(kind, *args):
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def _gluon_dw(ws, first):
+    """(shared bytes, registers, spilled bytes) of tools/gluon_dw.py's accumulation kernel (or its first chunk's),
+    256x128x32 in 5 stages, plain or warp-specialized."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import gluon_dw
+    compiled = gluon_dw._compile(256, 128, 32, 5, first=first, last=False, ws=ws)
+    regs, spill_stores, spill_loads = gluon_dw._ptxas(compiled.asm["ptx"])
+    return compiled.metadata.shared, regs, spill_stores + spill_loads
+
+
+@pytest.mark.parametrize("ws, first", [(False, False), (True, False), (True, True)])
+def test_gluon_dw_prototype_compiles_without_spills(ws, first):
+    """The Gluon prototype of the (hi, lo) accumulation (a development tool, bench/results/nvidia-h100/dw-epilogue/)
+    compiles for sm_90a with this Triton, within the block's shared memory and without spilling."""
+    shared, _, spilled = _in_compiler("gluon_dw", ws, first)
+    assert shared <= 232448 and spilled == 0

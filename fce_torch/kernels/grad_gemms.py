@@ -79,6 +79,19 @@ def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr,
 
 
 @triton.jit
+def tile_origin(tile, n_m, n_n, BM: tl.constexpr, BN: tl.constexpr, ROWS_FAST: tl.constexpr):
+    """The first row and column of output tile `tile` on the n_m x n_n grid of BM x BN tiles: row blocks walked
+    fastest where ROWS_FAST (`fce_core.plan.rows_fast`), else column blocks."""
+    if ROWS_FAST:
+        r0 = (tile % n_m) * BM
+        c0 = (tile // n_m) * BN
+    else:
+        r0 = (tile // n_n) * BM
+        c0 = (tile % n_n) * BN
+    return r0, c0
+
+
+@triton.jit
 def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
                  mt_ptr, y_ptr, lse_ptr, ca_ptr, cb_ptr, cc_ptr, dz_rows, V, n_tiles,
                  MODE: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
@@ -105,12 +118,7 @@ def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N
         if SLICED:  # bounds that vary by item keep Triton from pipelining the two loops as one (FLATTEN)
             k_lo = (pid // n_out) * SLICE_K
             k_hi = tl.minimum(K, k_lo + SLICE_K)
-        if ROWS_FAST:
-            r0 = (tile % n_m) * BM
-            c0 = (tile // n_m) * BN
-        else:
-            r0 = (tile // n_n) * BM
-            c0 = (tile % n_n) * BN
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
         rows64 = (r0 + tl.arange(0, BM)).to(tl.int64)
         cols = c0 + tl.arange(0, BN)
         ks = tl.arange(0, BK)

@@ -1,0 +1,597 @@
+"""Prototype: dW's (hi, lo) pair accumulation (`fce_torch.kernels.grad_gemms.dw_first` / `dw_accumulate` for a
+bfloat16 weight) as a persistent Gluon kernel whose epilogue operand, the tile's (hi, lo) blocks of C, is
+prefetched into shared memory by TMA at the start of each output tile, so that its load overlaps the K loop
+(the Triton kernel loads C by descriptor after the K loop, a wait per load).
+
+C [M, N] (+)= A @ B with A = dZᵀ (dZ [K, M], read as [BK, BM] blocks and fed to wgmma transposed) and B = x
+[K, N]; M = V, N = H. The products are the Triton kernel's: wgmma with float32 accumulation, K ascending in
+k16 steps (the step BK only groups them), so the bits must equal fce_torch's.
+
+`_dw_pair_ws_kernel` (dw_pair(ws=True)) is the same computation warp-specialized: a loader warp issues every TMA
+load (the ring, C's blocks), the 8 compute warps only wait, run the wgmma and the epilogue, and store; the barrier
+protocol is described above the kernel; tools/ws_protocol_sim.py checks it on random schedules.
+
+A development tool, not used by fce: it measures whether C's prefetch and a loader warp make the (hi, lo)
+accumulation faster than fce_torch's Triton kernel, bit for bit the same (bench/results/nvidia-h100/dw-epilogue/).
+
+    python tools/gluon_dw.py [--short] [OUT.json]   # GPU: bit checks and timings (gpu_main); no GPU: compile_check
+    --short: the warp-specialized launches and the best plain one (SHORT_VARIANTS), with first-chunk timings
+"""
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: fce_core, fce_torch
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from fce_core.plan import cdiv, rows_fast
+from fce_torch.kernels import fastmath as fm
+from fce_torch.kernels.grad_gemms import tile_origin
+from fce_torch.kernels.tma import processors
+
+SMEM_LIMIT = 232448  # sm_90a's shared memory per block (227 KiB)
+
+
+@gluon.jit
+def _grid(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """(row tiles, column tiles, tiles, K steps, this program, programs) of the persistent launch."""
+    n_m = gl.cdiv(M, BM)
+    n_n = gl.cdiv(N, BN)
+    return n_m, n_n, n_m * n_n, gl.cdiv(K, BK), gl.program_id(0), gl.num_programs(0)
+
+
+@gluon.jit
+def _issue_k_step(a_desc, b_desc, a_ring, b_ring, ready, step, k0, r0, c0, STAGES: gl.constexpr, pred):
+    """The TMA loads of A's and B's blocks at K offset k0 for the tile at (r0, c0) into the ring stage of
+    K step `step` (the program's running count, across tiles), signalled on that stage's barrier; nothing
+    where `pred` is false (a step past K, or a tile past the last)."""
+    slot = step % STAGES
+    bar = ready.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [k0, r0], bar, a_ring.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [k0, c0], bar, b_ring.index(slot), pred=pred)
+
+
+@gluon.jit
+def _issue_prologue(a_desc, b_desc, a_ring, b_ring, ready, step, r0, c0, n_k, BK: gl.constexpr,
+                    STAGES: gl.constexpr, pred):
+    """A tile's first STAGES - 1 K steps (those that exist), from the program's step `step` on. Every stage
+    must be free: the previous tile's K loop has retired all its wgmma."""
+    for j in gl.static_range(STAGES - 1):
+        _issue_k_step(a_desc, b_desc, a_ring, b_ring, ready, step + j, j * BK, r0, c0, STAGES, pred & (j < n_k))
+
+
+@gluon.jit
+def _issue_c_loads(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0):
+    """The TMA loads of C's (hi, lo) blocks at (r0, c0) into hi_s / lo_s, signalled on c_ready. hi_s / lo_s
+    feed the previous tile's TMA stores until these have read them: wait for that first."""
+    tma.store_wait(0)
+    mbarrier.expect(c_ready, hi_desc.block_type.nbytes + lo_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(hi_desc, [r0, c0], c_ready, hi_s)
+    tma.async_copy_global_to_shared(lo_desc, [r0, c0], c_ready, lo_s)
+
+
+@gluon.jit
+def _column_halves(t):
+    """A [R, W] register tile's left and right [R, W // 2] halves: a view of the same registers (the layouts
+    follow; no data moves)."""
+    return t.reshape([t.shape[0], 2, t.shape[1] // 2]).permute(0, 2, 1).split()
+
+
+@gluon.jit
+def _epilogue_part(part, hi_s, lo_s, col: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+                   ASM: gl.constexpr):
+    """The (hi, lo) update of the tile's columns [col, col + W) from their float32 product `part` [BM, W]:
+    C's pair read from hi_s / lo_s (not FIRST) in part's register layout, the new pair written back there.
+    The same operations as `grad_gemms._epilogue`'s PAIR mode, so the same bits."""
+    W: gl.constexpr = part.shape[1]
+    hs = hi_s.slice(col, W, dim=1)
+    ls = lo_s.slice(col, W, dim=1)
+    if FIRST:
+        s = part
+    else:
+        s = fm.pair_value(hs.load(part.type.layout), ls.load(part.type.layout), ASM) + part
+    hi, lo = fm.pair_split(s, gl.bfloat16, ASM)
+    hs.store(hi)
+    if not LAST:
+        ls.store(lo)
+
+
+@gluon.jit
+def _epilogue_cols(t, hi_s, lo_s, col: gl.constexpr, PARTS: gl.constexpr, FIRST: gl.constexpr,
+                   LAST: gl.constexpr, ASM: gl.constexpr):
+    """`_epilogue_part` over t's columns (the tile's [col, col + W)) in PARTS column slices, left to right
+    (PARTS a power of two: halved recursively)."""
+    if PARTS == 1:
+        _epilogue_part(t, hi_s, lo_s, col, FIRST, LAST, ASM)
+    else:
+        left, right = _column_halves(t)
+        _epilogue_cols(left, hi_s, lo_s, col, PARTS // 2, FIRST, LAST, ASM)
+        _epilogue_cols(right, hi_s, lo_s, col + t.shape[1] // 2, PARTS // 2, FIRST, LAST, ASM)
+
+
+@gluon.jit
+def _dw_pair_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.constexpr, LAST: gl.constexpr,
+                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                    ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_SPLIT: gl.constexpr = 8,
+                    LOOKAHEAD: gl.constexpr = True, PREFETCH_C: gl.constexpr = True):
+    # a_desc: dZ [K, M], blocks [BK, BM]; b_desc: x [K, N], blocks [BK, BN]; hi_desc / lo_desc: hi bf16 and
+    # lo int8 [M, N], blocks [BM, BN]. FIRST: (hi, lo) = split(A @ B), C not read; else split(pair(C) +
+    # A @ B). LAST: lo not written. Persistent: program pid computes the output tiles pid, pid + P, ... in
+    # `_gemm_kernel`'s order. EPI_SPLIT: the epilogue's column slices (a power of two dividing BN / 8).
+    # LOOKAHEAD: the next tile's first K steps are loaded during this tile's epilogue (as `_gemm_kernel`'s
+    # flattened loop does), else at the next tile's start. PREFETCH_C (the hypothesis under test): C's
+    # blocks are loaded at the tile's start, under its K loop; else after it (the control: the Triton
+    # kernel's order, through the same shared memory).
+    gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BN, 16])
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BK, BM], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    # The tile's C blocks: TMA-loaded at the tile's start (not FIRST), then the staging of its stores.
+    hi_s = gl.allocate_shared_memory(hi_desc.dtype, [BM, BN], hi_desc.layout)
+    lo_s = gl.allocate_shared_memory(lo_desc.dtype, [BM, BN], lo_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(c_ready, count=1)
+    hopper.fence_async_shared()  # the barriers' initialization, before the TMA unit signals them
+
+    n_m, n_n, n_tiles, n_k, pid, programs = _grid(M, N, K, BM, BN, BK)
+    step = 0  # K steps consumed by this program: stage step % STAGES, that barrier's phase (step // STAGES) & 1
+    done = 0  # tiles finished by this program: c_ready's phase done & 1
+    if LOOKAHEAD:  # the first tile's prologue; the later ones' are issued during the previous epilogue
+        r0, c0 = tile_origin(pid, n_m, n_n, BM, BN, ROWS_FAST)
+        _issue_prologue(a_desc, b_desc, a_ring, b_ring, ready, step, r0, c0, n_k, BK, STAGES, pid < n_tiles)
+    for tile in range(pid, n_tiles, programs):
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
+        if not LOOKAHEAD:
+            _issue_prologue(a_desc, b_desc, a_ring, b_ring, ready, step, r0, c0, n_k, BK, STAGES, True)
+        if not FIRST and PREFETCH_C:  # C's blocks load under the K loop
+            _issue_c_loads(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0)
+
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for kk in range(n_k):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            acc = hopper.warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+            # At most this step's wgmma in flight: the previous step's stage is free for step kk + STAGES - 1.
+            acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+            ahead = kk + STAGES - 1
+            _issue_k_step(a_desc, b_desc, a_ring, b_ring, ready, step + STAGES - 1, ahead * BK, r0, c0, STAGES,
+                          ahead < n_k)
+            step += 1
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+        if LOOKAHEAD:  # every stage is free again: the next tile's first steps load under this epilogue
+            nr0, nc0 = tile_origin(tile + programs, n_m, n_n, BM, BN, ROWS_FAST)
+            _issue_prologue(a_desc, b_desc, a_ring, b_ring, ready, step, nr0, nc0, n_k, BK, STAGES,
+                            tile + programs < n_tiles)
+        if not FIRST and not PREFETCH_C:
+            _issue_c_loads(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0)
+
+        if FIRST:
+            tma.store_wait(0)  # the previous tile's stores have read hi_s / lo_s
+        else:
+            mbarrier.wait(c_ready, done & 1)
+        # The epilogue in EPI_SPLIT column slices, each written to hi_s / lo_s before the next is formed. With
+        # LOOKAHEAD every split compiled without spills (255 registers in one piece, 170-210 in 8 slices);
+        # without it the one piece spilled 28-992 bytes a thread, 8 slices none.
+        _epilogue_cols(acc, hi_s, lo_s, 0, EPI_SPLIT, FIRST, LAST, ASM)
+        hopper.fence_async_shared()  # the generic-proxy stores, before the TMA unit reads them
+        tma.async_copy_shared_to_global(hi_desc, [r0, c0], hi_s)
+        if not LAST:
+            tma.async_copy_shared_to_global(lo_desc, [r0, c0], lo_s)
+        done += 1
+    tma.store_wait(0)
+
+
+# ------------------------------------------------------------------------------------ warp-specialized variant
+#
+# Two partitions over the same shared memory: the default one (the kernel's 8 warps: wgmma and the epilogue)
+# and a loader of 1 warp (the TMA loads of the ring and of C's blocks). Every barrier has count 1: Gluon's
+# mbarrier.arrive is a partition-wide operation (the partition synchronizes its warps, then one thread arrives),
+# so the 8 compute warps make one arrival, after both warpgroups have passed the preceding wgmma wait.
+#   ready[s]  (TMA -> compute)  the stage's A and B blocks have landed: expect + 2 loads by the loader.
+#   empty[s]  (compute -> loader) the wgmma that read the stage has retired: after warpgroup_mma_wait(1) the
+#             previous step's stage, after the tile's final wait(0) its last one; one arrival per stage use.
+#             The loader's u-th use of a stage (u = step // STAGES) waits for parity (u & 1) ^ 1: the barrier's
+#             phase "-1" counts as complete, so the first STAGES waits pass at once.
+#   c_ready   (TMA -> compute)  C's (hi, lo) blocks of the tile have landed (not FIRST).
+#   c_free    (compute -> loader) the previous tile's TMA stores have read hi_s / lo_s (tma.store_wait(0) by
+#             the compute partition, which issued them). The loader's wait for tile d (d = tiles done) has
+#             parity (d & 1) ^ 1: tile 0 passes at once, tile d >= 1 waits for the d-th arrival.
+# The loader issues tile d's K steps 0 .. c_at (c_at = min(STAGES - 2, n_k - 1)), then waits c_free and
+# issues C's loads, then the remaining K steps. The compute partition makes tile d's c_free arrival
+# (C_FREE_STEP >= 0, d >= 1) in tile d's K loop after the wgmma of step min(C_FREE_STEP, n_k - 1) <= c_at, a
+# step whose blocks the loader issued before its c_free wait; or (C_FREE_STEP < 0) right after issuing tile
+# d - 1's stores (waiting for them there). No cycle: the loader's steps up to c_at reuse stages of tile d - 1
+# or earlier, which the compute partition frees without anything of tile d.
+
+
+@gluon.jit
+def _ws_load_partition(a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free,
+                       pid, programs, n_m, n_n, n_tiles, n_k, FIRST: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, ROWS_FAST: gl.constexpr):
+    step = 0  # K steps issued by this program (as the compute partition counts them)
+    done = 0  # tiles issued
+    c_at = gl.minimum(n_k - 1, STAGES - 2)  # C's loads follow this K step of the tile
+    for tile in range(pid, n_tiles, programs):
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
+        for kk in range(n_k):
+            slot = step % STAGES
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [kk * BK, r0], bar, a_ring.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [kk * BK, c0], bar, b_ring.index(slot))
+            if not FIRST:
+                if kk == c_at:
+                    mbarrier.wait(c_free, (done & 1) ^ 1)
+                    mbarrier.expect(c_ready, hi_desc.block_type.nbytes + lo_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(hi_desc, [r0, c0], c_ready, hi_s)
+                    tma.async_copy_global_to_shared(lo_desc, [r0, c0], c_ready, lo_s)
+            step += 1
+        done += 1
+
+
+@gluon.jit
+def _ws_compute_partition(a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free, hi_desc, lo_desc, pid,
+                          programs, n_m, n_n, n_tiles, n_k, FIRST: gl.constexpr, LAST: gl.constexpr,
+                          BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, ROWS_FAST: gl.constexpr,
+                          ASM: gl.constexpr, EPI_SPLIT: gl.constexpr, C_FREE_STEP: gl.constexpr):
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BN, 16])
+    step = 0  # K steps consumed: stage step % STAGES, ready's phase (step // STAGES) & 1
+    done = 0  # tiles finished: c_ready's phase done & 1
+    free_at = gl.minimum(n_k - 1, C_FREE_STEP)
+    for tile in range(pid, n_tiles, programs):
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for kk in range(n_k):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            acc = hopper.warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+            if not FIRST and C_FREE_STEP >= 0:
+                if kk == free_at:  # the previous tile's stores have read hi_s / lo_s: C's loads may follow
+                    tma.store_wait(0)
+                    mbarrier.arrive(c_free, pred=done > 0)
+            # At most this step's wgmma in flight: the previous step's stage is free.
+            acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
+            step += 1
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))  # the tile's last stage
+        if FIRST:
+            tma.store_wait(0)  # the previous tile's stores have read hi_s / lo_s
+        else:
+            mbarrier.wait(c_ready, done & 1)
+        _epilogue_cols(acc, hi_s, lo_s, 0, EPI_SPLIT, FIRST, LAST, ASM)
+        hopper.fence_async_shared()  # the generic-proxy stores, before the TMA unit reads them (stores, C loads)
+        tma.async_copy_shared_to_global(hi_desc, [r0, c0], hi_s)
+        if not LAST:
+            tma.async_copy_shared_to_global(lo_desc, [r0, c0], lo_s)
+        if not FIRST and C_FREE_STEP < 0:
+            tma.store_wait(0)
+            mbarrier.arrive(c_free)
+        done += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dw_pair_ws_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.constexpr, LAST: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_SPLIT: gl.constexpr = 8,
+                       C_FREE_STEP: gl.constexpr = 0, LOADER_REGS: gl.constexpr = 24):
+    # `_dw_pair_kernel`'s computation (C's blocks always prefetched, the next tile's first steps loaded under
+    # the epilogue as the loader runs ahead), warp-specialized: see the protocol above.
+    gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
+    gl.static_assert(C_FREE_STEP <= STAGES - 2, "c_free's arrival must follow a K step the loader issued first")
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BK, BM], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    hi_s = gl.allocate_shared_memory(hi_desc.dtype, [BM, BN], hi_desc.layout)
+    lo_s = gl.allocate_shared_memory(lo_desc.dtype, [BM, BN], lo_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(c_ready, count=1)
+    mbarrier.init(c_free, count=1)
+    hopper.fence_async_shared()  # the barriers' initialization, before the TMA unit signals them
+
+    n_m, n_n, n_tiles, n_k, pid, programs = _grid(M, N, K, BM, BN, BK)
+    gl.warp_specialize([
+        (_ws_compute_partition, (a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free, hi_desc, lo_desc, pid,
+                                 programs, n_m, n_n, n_tiles, n_k, FIRST, LAST, BM, BN, STAGES, ROWS_FAST, ASM,
+                                 EPI_SPLIT, C_FREE_STEP)),
+        (_ws_load_partition, (a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready,
+                              c_free, pid, programs, n_m, n_n, n_tiles, n_k, FIRST, BM, BN, BK, STAGES, ROWS_FAST)),
+    ], [1], [LOADER_REGS])
+
+
+def _layout(block, dtype):
+    """The shared memory layout of a TMA block (NVMMA, the widest swizzle that the block's rows allow), on the
+    host descriptor and in the kernel's buffers alike."""
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def shared_bytes(bm, bn, bk, stages):
+    """The kernel's explicit shared memory: the operand ring, hi_s and lo_s (the barriers aside)."""
+    return stages * (bm + bn) * bk * 2 + bm * bn * 3
+
+
+def _c_free_step(stages):
+    """The warp-specialized kernel's default C_FREE_STEP: the K step of a tile after whose wgmma the compute
+    partition waits for the previous tile's stores and frees hi_s / lo_s (at most STAGES - 2)."""
+    return min(1, stages - 2)
+
+
+def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk=64, stages=2, epi_split=8,
+            lookahead=True, prefetch_c=True, ws=False, c_free_step=None, loader_regs=24):
+    """dZᵀ @ x (dZ [K, V], x [K, H]: bfloat16, rows contiguous) into a (hi bfloat16, lo int8) [V, H] pair: with
+    `first` a new pair (`grad_gemms.dw_first`), else (hi, lo) updated in place (`grad_gemms.dw_accumulate`);
+    with `last`, lo is not written and hi alone is returned, else (hi, lo). One persistent program per
+    multiprocessor (fewer where there are fewer tiles). `ws`: the warp-specialized kernel (a loader warp; C
+    always prefetched, lookahead / prefetch_c unused), c_free_step and loader_regs its C_FREE_STEP and
+    LOADER_REGS."""
+    k, m = dz.shape
+    n = x.shape[1]
+    if shared_bytes(bm, bn, bk, stages) > SMEM_LIMIT:
+        raise ValueError(f"{bm}x{bn}x{bk} in {stages} stages needs {shared_bytes(bm, bn, bk, stages)} bytes of "
+                         f"shared memory, more than {SMEM_LIMIT}")
+    if first:
+        hi = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+        lo = torch.empty(m, n, device=x.device, dtype=torch.int8)
+    descs = [TensorDescriptor.from_tensor(t, block, _layout(block, dt)) for t, block, dt in [
+        (dz, [bk, bm], gl.bfloat16), (x, [bk, bn], gl.bfloat16), (hi, [bm, bn], gl.bfloat16),
+        (lo, [bm, bn], gl.int8)]]
+    grid = (min(cdiv(m, bm) * cdiv(n, bn), processors(x.device)),)
+    if ws:
+        _dw_pair_ws_kernel[grid](*descs, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
+                                 ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_SPLIT=epi_split,
+                                 C_FREE_STEP=_c_free_step(stages) if c_free_step is None else c_free_step,
+                                 LOADER_REGS=loader_regs, num_warps=8)
+        return hi if last else (hi, lo)
+    _dw_pair_kernel[grid](*descs, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
+                          ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_SPLIT=epi_split, LOOKAHEAD=lookahead,
+                          PREFETCH_C=prefetch_c, num_warps=8)
+    return hi if last else (hi, lo)
+
+
+# ------------------------------------------------------------------------------------------ compile check
+
+def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefetch_c=True, ws=False,
+             c_free_step=None, loader_regs=24):
+    """The kernel compiled for sm_90a (no GPU needed), as `dw_pair` launches it for dW (ROWS_FAST False)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig = dict(a_desc=f"tensordesc<bf16[{bk}, {bm}],{_layout([bk, bm], gl.bfloat16)!r}>",
+               b_desc=f"tensordesc<bf16[{bk}, {bn}],{_layout([bk, bn], gl.bfloat16)!r}>",
+               hi_desc=f"tensordesc<bf16[{bm}, {bn}],{_layout([bm, bn], gl.bfloat16)!r}>",
+               lo_desc=f"tensordesc<i8[{bm}, {bn}],{_layout([bm, bn], gl.int8)!r}>",
+               M="i32", N="i32", K="i32")
+    consts = dict(FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages, ROWS_FAST=False, ASM=True,
+                  EPI_SPLIT=epi_split)
+    if ws:
+        consts.update(C_FREE_STEP=_c_free_step(stages) if c_free_step is None else c_free_step,
+                      LOADER_REGS=loader_regs)
+    else:
+        consts.update(LOOKAHEAD=lookahead, PREFETCH_C=prefetch_c)
+    for name in consts:
+        sig[name] = "constexpr"
+    kernel = _dw_pair_ws_kernel if ws else _dw_pair_kernel
+    return triton.compile(GluonASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8))
+
+
+def _ptxas(ptx):
+    """ptxas -v's (registers, spill store bytes, spill load bytes) for sm_90a PTX, with the wheel's ptxas
+    (as tests/test_sm90_registers.py runs it)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    result = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", "-", "-o", os.devnull], input=ptx,
+                            capture_output=True, text=True, check=False)
+    if result.returncode:  # an older ptxas reads no stdin: a file then
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gluon_dw_{os.getpid()}.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        result = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull],
+                                capture_output=True, text=True, check=True)
+        os.remove(path)
+    out = result.stderr
+    return (int(re.search(r"Used (\d+) registers", out).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", out).group(1)),
+            int(re.search(r"(\d+) bytes spill loads", out).group(1)))
+
+
+def _variant(bm, bn, bk, stages, lookahead=True, prefetch_c=True, epi_split=8, ws=False):
+    return dict(bm=bm, bn=bn, bk=bk, stages=stages, lookahead=lookahead, prefetch_c=prefetch_c, epi_split=epi_split,
+                ws=ws)
+
+
+# dw_pair's launch variants: the ring plus hi_s and lo_s within 227 KiB (BK = 64 allows 2 stages, BK = 32 up to
+# 5). The first six test the hypothesis; then its controls (C loaded after the K loop, through the same shared
+# memory), the look-ahead's, and the epilogue's in one piece (no slices of hi_s / lo_s: a bit mismatch that
+# only the sliced variants show would point at the slices).
+VARIANTS = [_variant(128, 256, 64, 2), _variant(128, 256, 32, 4), _variant(128, 256, 32, 5),
+            _variant(256, 128, 64, 2), _variant(256, 128, 32, 4), _variant(256, 128, 32, 5),
+            _variant(128, 256, 64, 2, prefetch_c=False), _variant(128, 256, 32, 4, prefetch_c=False),
+            _variant(256, 128, 64, 2, prefetch_c=False), _variant(256, 128, 32, 4, prefetch_c=False),
+            _variant(128, 256, 32, 4, lookahead=False), _variant(256, 128, 32, 4, lookahead=False),
+            _variant(128, 256, 64, 2, epi_split=1), _variant(256, 128, 64, 2, epi_split=1)]
+# the warp-specialized launches (first-chunk timings too), and the best plain one
+SHORT_VARIANTS = [_variant(256, 128, 32, 5, ws=True), _variant(128, 256, 32, 5, ws=True),
+                  _variant(256, 128, 64, 2, ws=True), _variant(256, 128, 32, 5)]
+SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"
+MODES = [("first", True, False), ("accumulate", False, False), ("last", False, True)]
+
+
+def _variant_name(bm, bn, bk, stages, lookahead, prefetch_c, epi_split, ws=False):
+    return (f"gluon {bm}x{bn}x{bk} s{stages}{' ws' if ws else ''}{'' if lookahead else ' no-lookahead'}"
+            f"{'' if prefetch_c else ' C-after-loop'}{'' if epi_split == 8 else f' epi/{epi_split}'}")
+
+
+def compile_check():
+    """Compile every variant in every mode for sm_90a on this CPU (FIRST's C is never loaded, so its variants
+    differing only in prefetch_c are one); print shared memory, registers and spills (ptxas -v), and the
+    PTX's TMA copies and wgmma instructions. Returns the rows."""
+    print(f"triton {triton.__version__} (sm_90a, 8 warps)")
+    print(f"{'variant':<42} {'mode':>10} {'shared':>7} {'regs':>4} {'spill st/ld':>11} {'tma':>4} {'wgmma':>5} "
+          f"{'warps':>5} {'setmaxnreg':>10}")
+    rows, seen = [], set()
+    for variant in VARIANTS + SHORT_VARIANTS:
+        for mode, first, last in MODES:
+            key = tuple(dict(variant, prefetch_c=variant["prefetch_c"] or first).values()) + (first, last)
+            if key in seen:
+                continue
+            seen.add(key)
+            name = _variant_name(**variant)
+            row = dict(variant=name, mode=mode, **variant)
+            try:
+                compiled = _compile(first=first, last=last, **variant)
+            except Exception as e:  # noqa: BLE001 - report it, go on with the other configs
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{name:<42} {mode:>10} FAILED: {row['error']}")
+                rows.append(row)
+                continue
+            ptx = compiled.asm["ptx"]
+            regs, spill_st, spill_ld = _ptxas(ptx)
+            row.update(shared=compiled.metadata.shared, regs=regs, spill_stores=spill_st, spill_loads=spill_ld,
+                       tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                       wgmma=len(re.findall(r"wgmma\.mma_async", ptx)), warps=compiled.metadata.num_warps,
+                       # warp-specialized: the partitions' register counts (setmaxnreg), the launch's is `regs`
+                       setmaxnreg=sorted({int(r) for r in re.findall(SETMAXNREG, ptx)}))
+            nreg = "/".join(map(str, row["setmaxnreg"])) or "-"
+            print(f"{name:<42} {mode:>10} {row['shared']:>7} {regs:>4} {spill_st:>5}/{spill_ld:<5} "
+                  f"{row['tma']:>4} {row['wgmma']:>5} {row['warps']:>5} {nreg:>10}")
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ GPU run
+
+SHAPES = [(768, 640, 262144), (2048, 2048, 128256)]  # (K = a chunk's rows, H, V)
+
+
+def _bits_equal(a, b):
+    """Whether two arrays, or two (hi, lo) pairs, hold the same bits (a bfloat16 array viewed as int16)."""
+    if isinstance(a, tuple):
+        return all(_bits_equal(x, y) for x, y in zip(a, b, strict=True))
+    view = torch.int16 if a.dtype == torch.bfloat16 else a.dtype
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(view), b.view(view)))
+
+
+def _time(fn, pair, reps=20, warmup=3):
+    """Median ms of fn(hi, lo) over `reps` calls, each on its own clone of `pair` (the same inputs every time)
+    with L2 flushed before it; CUDA events bracket the call alone. A sleep on the GPU ahead of the start event
+    keeps the host's launch work (descriptors) out of the measured time."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=pair[0].device)
+    times = []
+    for i in range(warmup + reps):
+        hi, lo = pair[0].clone(), pair[1].clone()
+        flush.zero_()
+        torch.cuda._sleep(1_000_000)  # ~0.5 ms of GPU clock cycles
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(hi, lo)
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+        del hi, lo
+    return statistics.median(times)
+
+
+def _clone(pair):
+    return pair[0].clone(), pair[1].clone()
+
+
+def gpu_main(out_path=None, variants=VARIANTS, shapes=SHAPES, dev="cuda"):
+    """At each of SHAPES: a (hi, lo) pair from dw_first of one chunk; every variant's first-chunk pair,
+    accumulation of a second chunk and last accumulation compared bit for bit with fce_torch's, then its
+    accumulation timed against fce_torch's dw_accumulate (its default launch) and torch.mm(dz.t(), x). With
+    warp-specialized variants, also fce_torch's first chunk and dW written, and their first chunks."""
+    from fce_torch.kernels.grad_gemms import _dw_config, dw_accumulate, dw_first
+    torch.manual_seed(0)
+    print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+          f"{processors(torch.device(dev))} SMs", flush=True)
+    rows = []
+    for k, h, v in shapes:
+        base = dict(K=k, H=h, V=v)
+        shape_rows = []
+        dz0 = (torch.randn(k, v, device=dev) * 1e-3).to(torch.bfloat16)  # chunk 0: the pair
+        x0 = torch.randn(k, h, device=dev).to(torch.bfloat16)
+        dz = (torch.randn(k, v, device=dev) * 1e-3).to(torch.bfloat16)  # chunk 1: accumulated into it
+        x = torch.randn(k, h, device=dev).to(torch.bfloat16)
+        ref_first = dw_first(dz0, x0, torch.bfloat16)
+        ref_acc = dw_accumulate(dz, x, _clone(ref_first))
+        ref_last = dw_accumulate(dz, x, _clone(ref_first), last=True)
+        torch.cuda.synchronize()
+
+        cfg = _dw_config(h)
+        shape_rows.append(dict(base, variant=f"fce dw_accumulate ({cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k})",
+                               ms=_time(lambda hi, lo: dw_accumulate(dz, x, (hi, lo)), ref_first), bits=True))
+        if any(kw["ws"] for kw in variants):
+            from fce_torch.kernels.grad_gemms import dw_gemm
+            shape_rows.append(dict(base, variant="fce dw_first", bits=None,
+                                   ms=_time(lambda hi, lo: dw_first(dz, x, torch.bfloat16), ref_first)))
+            shape_rows.append(dict(base, variant="fce dw_gemm (bf16 written)",
+                                   ms=_time(lambda hi, lo: dw_gemm(dz, x, torch.bfloat16), ref_first), bits=None))
+            for kw in [kw for kw in variants if kw["ws"]]:
+                print(f"  (K={k} H={h}: timing {_variant_name(**kw)} first)", file=sys.stderr, flush=True)
+                shape_rows.append(dict(base, variant=_variant_name(**kw) + " first", bits=None,
+                                       ms=_time(lambda hi, lo, kw=kw: dw_pair(dz, x, first=True, **kw), ref_first)))
+        shape_rows.append(dict(base, variant="torch.mm(dz.t(), x)",
+                               ms=_time(lambda hi, lo: torch.mm(dz.t(), x), ref_first), bits=None))
+        for kw in variants:
+            row = dict(base, variant=_variant_name(**kw), **kw)
+            # a hung launch (a barrier protocol's deadlock) is named by the last of these lines
+            print(f"  (K={k} H={h}: checking {row['variant']})", file=sys.stderr, flush=True)
+            try:
+                out_first = dw_pair(dz0, x0, first=True, **kw)
+                out_acc = dw_pair(dz, x, *_clone(ref_first), **kw)
+                out_last = dw_pair(dz, x, *_clone(ref_first), last=True, **kw)
+                torch.cuda.synchronize()
+                checks = dict(first=_bits_equal(out_first, ref_first), accumulate=_bits_equal(out_acc, ref_acc),
+                              last=_bits_equal(out_last, ref_last))
+                del out_first, out_acc, out_last
+                row.update(ms=_time(lambda hi, lo: dw_pair(dz, x, hi, lo, **kw), ref_first),
+                           bits=all(checks.values()), bit_checks=checks)
+            except Exception as e:  # noqa: BLE001 - one variant's failure should not hide the others
+                row.update(ms=None, bits=None, error=f"{type(e).__name__}: {e}"[:1000])
+            shape_rows.append(row)
+        fce_ms = shape_rows[0]["ms"]
+        for r in shape_rows:
+            ms = "      -" if r["ms"] is None else f"{r['ms']:7.3f}"
+            ratio = "" if r["ms"] is None else f"{r['ms'] / fce_ms:5.2f}x fce"
+            extra = r.get("error") or ("" if r["bits"] else r.get("bit_checks", ""))
+            print(f"K={k:5d} H={h:5d} V={v:6d}  {r['variant']:<42} {ms} ms {ratio:>10}  bits={r['bits']}  {extra}",
+                  flush=True)
+        rows += shape_rows
+        del dz0, x0, dz, x, ref_first, ref_acc, ref_last
+        torch.cuda.empty_cache()
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {out_path}")
+    return rows
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if a != "--short"]
+    if torch.cuda.is_available():
+        gpu_main(args[0] if args else None, SHORT_VARIANTS if "--short" in sys.argv else VARIANTS)
+    else:
+        compile_check()
