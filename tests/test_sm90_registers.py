@@ -184,19 +184,22 @@ def _in_compiler(kind, *args):
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def _gluon_dw(ws, first):
-    """(shared bytes, registers, spilled bytes) of tools/gluon_dw.py's accumulation kernel (or its first chunk's),
-    256x128x32 in 5 stages, plain or warp-specialized."""
+def _gluon_dw(schedule, first):
+    """(shared bytes, registers, spilled bytes) of tools/gluon_dw.py's accumulation kernel (or its first chunk's):
+    plain or warp-specialized on 256x128x32 tiles in 5 stages, ping-pong on 128x128x64 in 3."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     import gluon_dw
-    compiled = gluon_dw._compile(256, 128, 32, 5, first=first, last=False, ws=ws)
+    tiles = (128, 128, 64, 3) if schedule == "pingpong" else (256, 128, 32, 5)
+    compiled = gluon_dw._compile(*tiles, first=first, last=False, ws=schedule == "ws",
+                                 pingpong=schedule == "pingpong")
     regs, spill_stores, spill_loads = gluon_dw._ptxas(compiled.asm["ptx"])
     return compiled.metadata.shared, regs, spill_stores + spill_loads
 
 
-@pytest.mark.parametrize("ws, first", [(False, False), (True, False), (True, True)])
-def test_gluon_dw_prototype_compiles_without_spills(ws, first):
+@pytest.mark.parametrize("schedule, first", [("plain", False), ("ws", False), ("ws", True), ("pingpong", False),
+                                             ("pingpong", True)])
+def test_gluon_dw_prototype_compiles_without_spills(schedule, first):
     """The Gluon prototype of the (hi, lo) accumulation (a development tool, bench/results/nvidia-h100/dw-epilogue/)
     compiles for sm_90a with this Triton, within the block's shared memory and without spilling."""
-    shared, _, spilled = _in_compiler("gluon_dw", ws, first)
+    shared, _, spilled = _in_compiler("gluon_dw", schedule, first)
     assert shared <= 232448 and spilled == 0

@@ -10,12 +10,17 @@ k16 steps (the step BK only groups them), so the bits must equal fce_torch's.
 `_dw_pair_ws_kernel` (dw_pair(ws=True)) is the same computation warp-specialized: a loader warp issues every TMA
 load (the ring, C's blocks), the 8 compute warps only wait, run the wgmma and the epilogue, and store; the barrier
 protocol is described above the kernel; tools/ws_protocol_sim.py checks it on random schedules.
+`_dw_pair_pp_kernel` (dw_pair(pingpong=True)) gives each of two compute warpgroups whole tiles in turns, so that
+one's epilogue runs under the other's wgmma (the protocol above it; the simulator checks it too). It compiles for
+sm_90a without spills and has not run on a GPU yet (the session that wrote it had no device time left).
 
-A development tool, not used by fce: it measures whether C's prefetch and a loader warp make the (hi, lo)
-accumulation faster than fce_torch's Triton kernel, bit for bit the same (bench/results/nvidia-h100/dw-epilogue/).
+A development tool, not used by fce: it measures whether C's prefetch, a loader warp and the ping-pong schedule
+make the (hi, lo) accumulation faster than fce_torch's Triton kernel, bit for bit the same
+(bench/results/nvidia-h100/dw-epilogue/: the plain and warp-specialized kernels measured there).
 
     python tools/gluon_dw.py [--short] [OUT.json]   # GPU: bit checks and timings (gpu_main); no GPU: compile_check
-    --short: the warp-specialized launches and the best plain one (SHORT_VARIANTS), with first-chunk timings
+    --short: the ping-pong and warp-specialized launches and the best plain one (SHORT_VARIANTS), with first-chunk
+             timings
 """
 import json
 import os
@@ -220,6 +225,40 @@ def _dw_pair_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.constex
 
 
 @gluon.jit
+def _retire_previous(acc, empty, step, has_previous, STAGES: gl.constexpr):
+    """After K step `step`'s wgmma is issued: at most it in flight (warpgroup_mma_wait(1)), so the previous
+    step's stage is free: its `empty` barrier arrived on, where the tile had a previous step."""
+    acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=has_previous)
+    return acc
+
+
+@gluon.jit
+def _retire_last(acc, empty, step, STAGES: gl.constexpr):
+    """After a tile's K loop (`step` one past its last step): every wgmma retired, the last stage freed."""
+    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+    return acc
+
+
+@gluon.jit
+def _finish_tile(acc, hi_s, lo_s, hi_desc, lo_desc, c_ready, phase, r0, c0, FIRST: gl.constexpr,
+                 LAST: gl.constexpr, EPI_SPLIT: gl.constexpr, ASM: gl.constexpr):
+    """A warp-specialized compute partition's tile after its K loop: C's blocks awaited on c_ready (parity
+    `phase`; FIRST: the previous tile's stores awaited instead, hi_s / lo_s being their staging), the epilogue,
+    and the TMA stores of hi (and lo, unless LAST) at (r0, c0)."""
+    if FIRST:
+        tma.store_wait(0)
+    else:
+        mbarrier.wait(c_ready, phase)
+    _epilogue_cols(acc, hi_s, lo_s, 0, EPI_SPLIT, FIRST, LAST, ASM)
+    hopper.fence_async_shared()  # the generic-proxy stores, before the TMA unit reads them (stores, C loads)
+    tma.async_copy_shared_to_global(hi_desc, [r0, c0], hi_s)
+    if not LAST:
+        tma.async_copy_shared_to_global(lo_desc, [r0, c0], lo_s)
+
+
+@gluon.jit
 def _ws_load_partition(a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free,
                        pid, programs, n_m, n_n, n_tiles, n_k, FIRST: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, ROWS_FAST: gl.constexpr):
@@ -266,21 +305,10 @@ def _ws_compute_partition(a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_f
                 if kk == free_at:  # the previous tile's stores have read hi_s / lo_s: C's loads may follow
                     tma.store_wait(0)
                     mbarrier.arrive(c_free, pred=done > 0)
-            # At most this step's wgmma in flight: the previous step's stage is free.
-            acc = hopper.warpgroup_mma_wait(1, deps=[acc])
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
+            acc = _retire_previous(acc, empty, step, kk > 0, STAGES)
             step += 1
-        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))  # the tile's last stage
-        if FIRST:
-            tma.store_wait(0)  # the previous tile's stores have read hi_s / lo_s
-        else:
-            mbarrier.wait(c_ready, done & 1)
-        _epilogue_cols(acc, hi_s, lo_s, 0, EPI_SPLIT, FIRST, LAST, ASM)
-        hopper.fence_async_shared()  # the generic-proxy stores, before the TMA unit reads them (stores, C loads)
-        tma.async_copy_shared_to_global(hi_desc, [r0, c0], hi_s)
-        if not LAST:
-            tma.async_copy_shared_to_global(lo_desc, [r0, c0], lo_s)
+        acc = _retire_last(acc, empty, step, STAGES)
+        _finish_tile(acc, hi_s, lo_s, hi_desc, lo_desc, c_ready, done & 1, r0, c0, FIRST, LAST, EPI_SPLIT, ASM)
         if not FIRST and C_FREE_STEP < 0:
             tma.store_wait(0)
             mbarrier.arrive(c_free)
@@ -322,15 +350,144 @@ def _dw_pair_ws_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.cons
     ], [1], [LOADER_REGS])
 
 
+# ------------------------------------------------------------------------------------------ ping-pong variant
+#
+# Three partitions: two compute partitions of one warpgroup each (owner 0: the default partition, the kernel's 4
+# warps; owner 1: a worker of 4 warps), each computing a whole BM x BN tile, and the loader warp. The program's
+# tiles pid + i * P (its local index i = 0, 1, ...) go to owner i % 2 in turns, so that one owner's epilogue runs
+# under the other's wgmma; owner o's j-th tile is local tile i = 2j + o. The loader issues the tiles' K steps in
+# order into one ring shared by both owners: global step g = i * n_k + kk in stage g % STAGES. Barriers (count 1;
+# an arrival is the partition's: its warps synchronize, then one thread arrives):
+#   ready[o][s] (TMA -> owner o) per owner: the stage's blocks for owner o's step have landed. One shared ready[s]
+#             would be wrong: a try_wait.parity passes while the barrier is still in the phase before the awaited
+#             one, and owner o's first step in stage s may follow the other owner's step there that has not landed
+#             (nothing orders the two owners; owner 1's first wait would pass at once). Owner o's waits on its
+#             ready[o][s] are in its own order, so each awaits the phase after the one it last saw. It keeps their
+#             phase parities as a bit mask (bit s): its uses of a stage have no closed form unless STAGES | n_k.
+#   empty[s]  (owner -> loader) the wgmma that read the stage has retired, as in the warp-specialized kernel:
+#             shared by both owners, safe as only the loader waits on it, in stage order, and the next use's
+#             arrival cannot come before the loader waited for this one (its blocks are loaded after).
+#             The loader's wait for step g has parity ((g // STAGES) & 1) ^ 1.
+#   c_ready[o] (TMA -> owner o) C's (hi, lo) blocks of owner o's tile j landed in its hi_s[o] / lo_s[o]: parity j & 1.
+#   c_free[o]  (owner o -> loader) owner o's tile j - 1's stores have read hi_s[o] / lo_s[o]: owner o waits for
+#             them (tma.store_wait(0)) and arrives after issuing its tile j's first wgmma (j >= 1), under the wgmma.
+#             The loader's wait for tile j has parity (j & 1) ^ 1 (tile 0 passes at once).
+# The loader issues tile i's K steps 0 .. c_at (c_at = min(STAGES - 2, n_k - 1) >= 0), then waits c_free[o] and
+# issues C's loads, then the rest. No cycle: owner o's c_free arrival follows its step 0 of tile i, issued before
+# the loader's wait; the loader's steps up to then reuse stages of tiles < i, freed by their owners' K loops,
+# which wait for nothing of tile i. tools/ws_protocol_sim.py (pingpong) checks it on random schedules.
+
+
+@gluon.jit
+def _pp_load_partition(a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free,
+                       pid, programs, n_m, n_n, n_tiles, n_k, FIRST: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, ROWS_FAST: gl.constexpr):
+    step = 0  # K steps issued (global step g)
+    i = 0  # the program's tiles issued (local index)
+    c_at = gl.minimum(n_k - 1, STAGES - 2)  # C's loads follow this K step of the tile
+    for tile in range(pid, n_tiles, programs):
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
+        owner = i % 2
+        for kk in range(n_k):
+            slot = step % STAGES
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(owner * STAGES + slot)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [kk * BK, r0], bar, a_ring.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [kk * BK, c0], bar, b_ring.index(slot))
+            if not FIRST:
+                if kk == c_at:
+                    mbarrier.wait(c_free.index(owner), ((i // 2) & 1) ^ 1)
+                    mbarrier.expect(c_ready.index(owner), hi_desc.block_type.nbytes + lo_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(hi_desc, [r0, c0], c_ready.index(owner), hi_s.index(owner))
+                    tma.async_copy_global_to_shared(lo_desc, [r0, c0], c_ready.index(owner), lo_s.index(owner))
+            step += 1
+        i += 1
+
+
+@gluon.jit
+def _pp_compute_partition(a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free, hi_desc, lo_desc, pid,
+                          programs, n_m, n_n, n_tiles, n_k, OWNER: gl.constexpr, FIRST: gl.constexpr,
+                          LAST: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                          ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_SPLIT: gl.constexpr):
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BN, 16])
+    my_hi = hi_s.index(OWNER)
+    my_lo = lo_s.index(OWNER)
+    my_c_ready = c_ready.index(OWNER)
+    my_c_free = c_free.index(OWNER)
+    phases = 0  # bit s: the parity of ready[OWNER][s]'s next phase
+    j = 0  # this owner's tiles done: c_ready's phase j & 1
+    for tile in range(pid + OWNER * programs, n_tiles, 2 * programs):
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
+        step = (2 * j + OWNER) * n_k  # the tile's first global step, as the loader counts
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for kk in range(n_k):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(OWNER * STAGES + slot), (phases >> slot) & 1)
+            phases ^= 1 << slot
+            acc = hopper.warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+            if not FIRST:
+                if kk == 0:  # under the first wgmma: the previous tile's stores have read my_hi / my_lo
+                    tma.store_wait(0)
+                    mbarrier.arrive(my_c_free, pred=j > 0)
+            acc = _retire_previous(acc, empty, step, kk > 0, STAGES)
+            step += 1
+        acc = _retire_last(acc, empty, step, STAGES)
+        _finish_tile(acc, my_hi, my_lo, hi_desc, lo_desc, my_c_ready, j & 1, r0, c0, FIRST, LAST, EPI_SPLIT, ASM)
+        j += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dw_pair_pp_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.constexpr, LAST: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_SPLIT: gl.constexpr = 4,
+                       COMPUTE_REGS: gl.constexpr = 240, LOADER_REGS: gl.constexpr = 24):
+    # `_dw_pair_ws_kernel`'s computation with two compute warpgroups taking the tiles in turns: see the protocol
+    # above. Launched with num_warps=4 (owner 0); the accumulator [BM, BN] float32 must fit one warpgroup.
+    gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
+    gl.static_assert(STAGES <= 31, "an owner's ready phases are bits of one int32")
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BK, BM], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    hi_s = gl.allocate_shared_memory(hi_desc.dtype, [2, BM, BN], hi_desc.layout)  # per owner
+    lo_s = gl.allocate_shared_memory(lo_desc.dtype, [2, BM, BN], lo_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())  # [owner * STAGES + s]
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    c_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(c_ready.index(i), count=1)
+        mbarrier.init(c_free.index(i), count=1)
+    hopper.fence_async_shared()  # the barriers' initialization, before the TMA unit signals them
+
+    n_m, n_n, n_tiles, n_k, pid, programs = _grid(M, N, K, BM, BN, BK)
+    gl.warp_specialize([
+        (_pp_compute_partition, (a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free, hi_desc, lo_desc, pid,
+                                 programs, n_m, n_n, n_tiles, n_k, 0, FIRST, LAST, BM, BN, STAGES, ROWS_FAST, ASM,
+                                 EPI_SPLIT)),
+        (_pp_compute_partition, (a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free, hi_desc, lo_desc, pid,
+                                 programs, n_m, n_n, n_tiles, n_k, 1, FIRST, LAST, BM, BN, STAGES, ROWS_FAST, ASM,
+                                 EPI_SPLIT)),
+        (_pp_load_partition, (a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready,
+                              c_free, pid, programs, n_m, n_n, n_tiles, n_k, FIRST, BM, BN, BK, STAGES, ROWS_FAST)),
+    ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
+
+
 def _layout(block, dtype):
     """The shared memory layout of a TMA block (NVMMA, the widest swizzle that the block's rows allow), on the
     host descriptor and in the kernel's buffers alike."""
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
-def shared_bytes(bm, bn, bk, stages):
-    """The kernel's explicit shared memory: the operand ring, hi_s and lo_s (the barriers aside)."""
-    return stages * (bm + bn) * bk * 2 + bm * bn * 3
+def shared_bytes(bm, bn, bk, stages, pingpong=False):
+    """The kernel's explicit shared memory: the operand ring, hi_s and lo_s (ping-pong: one pair per owner; the
+    barriers aside)."""
+    return stages * (bm + bn) * bk * 2 + bm * bn * 3 * (2 if pingpong else 1)
 
 
 def _c_free_step(stages):
@@ -340,18 +497,21 @@ def _c_free_step(stages):
 
 
 def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk=64, stages=2, epi_split=8,
-            lookahead=True, prefetch_c=True, ws=False, c_free_step=None, loader_regs=24):
+            lookahead=True, prefetch_c=True, ws=False, c_free_step=None, loader_regs=24, pingpong=False,
+            compute_regs=240):
     """dZᵀ @ x (dZ [K, V], x [K, H]: bfloat16, rows contiguous) into a (hi bfloat16, lo int8) [V, H] pair: with
     `first` a new pair (`grad_gemms.dw_first`), else (hi, lo) updated in place (`grad_gemms.dw_accumulate`);
     with `last`, lo is not written and hi alone is returned, else (hi, lo). One persistent program per
     multiprocessor (fewer where there are fewer tiles). `ws`: the warp-specialized kernel (a loader warp; C
     always prefetched, lookahead / prefetch_c unused), c_free_step and loader_regs its C_FREE_STEP and
-    LOADER_REGS."""
+    LOADER_REGS. `pingpong`: the ping-pong kernel (two compute warpgroups taking tiles in turns, a loader warp;
+    ws / lookahead / prefetch_c / c_free_step unused), compute_regs the register count of owner 1 (a worker)."""
     k, m = dz.shape
     n = x.shape[1]
-    if shared_bytes(bm, bn, bk, stages) > SMEM_LIMIT:
-        raise ValueError(f"{bm}x{bn}x{bk} in {stages} stages needs {shared_bytes(bm, bn, bk, stages)} bytes of "
-                         f"shared memory, more than {SMEM_LIMIT}")
+    need = shared_bytes(bm, bn, bk, stages, pingpong)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"{bm}x{bn}x{bk} in {stages} stages needs {need} bytes of shared memory, more than "
+                         f"{SMEM_LIMIT}")
     if first:
         hi = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
         lo = torch.empty(m, n, device=x.device, dtype=torch.int8)
@@ -359,6 +519,11 @@ def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk
         (dz, [bk, bm], gl.bfloat16), (x, [bk, bn], gl.bfloat16), (hi, [bm, bn], gl.bfloat16),
         (lo, [bm, bn], gl.int8)]]
     grid = (min(cdiv(m, bm) * cdiv(n, bn), processors(x.device)),)
+    if pingpong:
+        _dw_pair_pp_kernel[grid](*descs, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
+                                 ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_SPLIT=epi_split,
+                                 COMPUTE_REGS=compute_regs, LOADER_REGS=loader_regs, num_warps=4)
+        return hi if last else (hi, lo)
     if ws:
         _dw_pair_ws_kernel[grid](*descs, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
                                  ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_SPLIT=epi_split,
@@ -374,7 +539,7 @@ def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk
 # ------------------------------------------------------------------------------------------ compile check
 
 def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefetch_c=True, ws=False,
-             c_free_step=None, loader_regs=24):
+             c_free_step=None, loader_regs=24, pingpong=False, compute_regs=240):
     """The kernel compiled for sm_90a (no GPU needed), as `dw_pair` launches it for dW (ROWS_FAST False)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -385,16 +550,18 @@ def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefe
                M="i32", N="i32", K="i32")
     consts = dict(FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages, ROWS_FAST=False, ASM=True,
                   EPI_SPLIT=epi_split)
-    if ws:
+    if pingpong:
+        consts.update(COMPUTE_REGS=compute_regs, LOADER_REGS=loader_regs)
+    elif ws:
         consts.update(C_FREE_STEP=_c_free_step(stages) if c_free_step is None else c_free_step,
                       LOADER_REGS=loader_regs)
     else:
         consts.update(LOOKAHEAD=lookahead, PREFETCH_C=prefetch_c)
     for name in consts:
         sig[name] = "constexpr"
-    kernel = _dw_pair_ws_kernel if ws else _dw_pair_kernel
+    kernel = _dw_pair_pp_kernel if pingpong else _dw_pair_ws_kernel if ws else _dw_pair_kernel
     return triton.compile(GluonASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8))
+                          options=dict(num_warps=4 if pingpong else 8))
 
 
 def _ptxas(ptx):
@@ -416,9 +583,9 @@ def _ptxas(ptx):
             int(re.search(r"(\d+) bytes spill loads", out).group(1)))
 
 
-def _variant(bm, bn, bk, stages, lookahead=True, prefetch_c=True, epi_split=8, ws=False):
+def _variant(bm, bn, bk, stages, lookahead=True, prefetch_c=True, epi_split=8, ws=False, pingpong=False):
     return dict(bm=bm, bn=bn, bk=bk, stages=stages, lookahead=lookahead, prefetch_c=prefetch_c, epi_split=epi_split,
-                ws=ws)
+                ws=ws, pingpong=pingpong)
 
 
 # dw_pair's launch variants: the ring plus hi_s and lo_s within 227 KiB (BK = 64 allows 2 stages, BK = 32 up to
@@ -431,15 +598,21 @@ VARIANTS = [_variant(128, 256, 64, 2), _variant(128, 256, 32, 4), _variant(128, 
             _variant(256, 128, 64, 2, prefetch_c=False), _variant(256, 128, 32, 4, prefetch_c=False),
             _variant(128, 256, 32, 4, lookahead=False), _variant(256, 128, 32, 4, lookahead=False),
             _variant(128, 256, 64, 2, epi_split=1), _variant(256, 128, 64, 2, epi_split=1)]
-# the warp-specialized launches (first-chunk timings too), and the best plain one
-SHORT_VARIANTS = [_variant(256, 128, 32, 5, ws=True), _variant(128, 256, 32, 5, ws=True),
+# the ping-pong and warp-specialized launches (first-chunk timings too), and the best plain one. Ping-pong: a tile
+# per warpgroup (128 x 128 or 64 x 256), two C pairs (96 KiB), the ring in the rest (BK = 64: 3 or 4 stages).
+SHORT_VARIANTS = [_variant(128, 128, 64, 3, epi_split=4, pingpong=True),
+                  _variant(128, 128, 64, 4, epi_split=4, pingpong=True),
+                  _variant(128, 128, 32, 7, epi_split=4, pingpong=True),
+                  _variant(64, 256, 64, 3, epi_split=4, pingpong=True),
+                  _variant(256, 128, 32, 5, ws=True), _variant(128, 256, 32, 5, ws=True),
                   _variant(256, 128, 64, 2, ws=True), _variant(256, 128, 32, 5)]
 SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"
 MODES = [("first", True, False), ("accumulate", False, False), ("last", False, True)]
 
 
-def _variant_name(bm, bn, bk, stages, lookahead, prefetch_c, epi_split, ws=False):
-    return (f"gluon {bm}x{bn}x{bk} s{stages}{' ws' if ws else ''}{'' if lookahead else ' no-lookahead'}"
+def _variant_name(bm, bn, bk, stages, lookahead, prefetch_c, epi_split, ws=False, pingpong=False):
+    return (f"gluon {bm}x{bn}x{bk} s{stages}{' ws' if ws else ''}{' pp' if pingpong else ''}"
+            f"{'' if lookahead else ' no-lookahead'}"
             f"{'' if prefetch_c else ' C-after-loop'}{'' if epi_split == 8 else f' epi/{epi_split}'}")
 
 
@@ -447,7 +620,7 @@ def compile_check():
     """Compile every variant in every mode for sm_90a on this CPU (FIRST's C is never loaded, so its variants
     differing only in prefetch_c are one); print shared memory, registers and spills (ptxas -v), and the
     PTX's TMA copies and wgmma instructions. Returns the rows."""
-    print(f"triton {triton.__version__} (sm_90a, 8 warps)")
+    print(f"triton {triton.__version__} (sm_90a; warps: the launch's, 4 for ping-pong)")
     print(f"{'variant':<42} {'mode':>10} {'shared':>7} {'regs':>4} {'spill st/ld':>11} {'tma':>4} {'wgmma':>5} "
           f"{'warps':>5} {'setmaxnreg':>10}")
     rows, seen = [], set()
@@ -522,7 +695,7 @@ def gpu_main(out_path=None, variants=VARIANTS, shapes=SHAPES, dev="cuda"):
     """At each of SHAPES: a (hi, lo) pair from dw_first of one chunk; every variant's first-chunk pair,
     accumulation of a second chunk and last accumulation compared bit for bit with fce_torch's, then its
     accumulation timed against fce_torch's dw_accumulate (its default launch) and torch.mm(dz.t(), x). With
-    warp-specialized variants, also fce_torch's first chunk and dW written, and their first chunks."""
+    warp-specialized or ping-pong variants, also fce_torch's first chunk and dW written, and their first chunks."""
     from fce_torch.kernels.grad_gemms import _dw_config, dw_accumulate, dw_first
     torch.manual_seed(0)
     print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, "
@@ -543,13 +716,13 @@ def gpu_main(out_path=None, variants=VARIANTS, shapes=SHAPES, dev="cuda"):
         cfg = _dw_config(h)
         shape_rows.append(dict(base, variant=f"fce dw_accumulate ({cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k})",
                                ms=_time(lambda hi, lo: dw_accumulate(dz, x, (hi, lo)), ref_first), bits=True))
-        if any(kw["ws"] for kw in variants):
+        if any(kw["ws"] or kw["pingpong"] for kw in variants):
             from fce_torch.kernels.grad_gemms import dw_gemm
             shape_rows.append(dict(base, variant="fce dw_first", bits=None,
                                    ms=_time(lambda hi, lo: dw_first(dz, x, torch.bfloat16), ref_first)))
             shape_rows.append(dict(base, variant="fce dw_gemm (bf16 written)",
                                    ms=_time(lambda hi, lo: dw_gemm(dz, x, torch.bfloat16), ref_first), bits=None))
-            for kw in [kw for kw in variants if kw["ws"]]:
+            for kw in [kw for kw in variants if kw["ws"] or kw["pingpong"]]:
                 print(f"  (K={k} H={h}: timing {_variant_name(**kw)} first)", file=sys.stderr, flush=True)
                 shape_rows.append(dict(base, variant=_variant_name(**kw) + " first", bits=None,
                                        ms=_time(lambda hi, lo, kw=kw: dw_pair(dz, x, first=True, **kw), ref_first)))

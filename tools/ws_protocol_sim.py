@@ -1,8 +1,8 @@
-"""CPU model of `_dw_pair_ws_kernel`'s barrier protocol (tools/gluon_dw.py): the loader and compute partitions
-as generators over mbarriers with PTX parity semantics, TMA loads landing and TMA stores reading at random later
-times, a random scheduler. Checks that no schedule deadlocks, that every wgmma reads the blocks of its own K step
-(not overwritten before it retired), that the epilogue reads the tile's own C blocks, and that no C load lands in
-hi_s / lo_s before the previous tile's stores have read them.
+"""CPU model of `_dw_pair_ws_kernel`'s and `_dw_pair_pp_kernel`'s barrier protocols (tools/gluon_dw.py): the loader
+and compute partitions as generators over mbarriers with PTX parity semantics, TMA loads landing and TMA stores
+reading at random later times, a random scheduler. Checks that no schedule deadlocks, that every wgmma reads the
+blocks of its own K step (not overwritten before it retired), that the epilogue reads the tile's own C blocks, and
+that no C load lands in hi_s / lo_s before the previous tile's stores have read them.
 
     python tools/ws_protocol_sim.py   (a development tool)
 """
@@ -36,6 +36,15 @@ class MBarrier:
     def done(self, parity):
         """try_wait.parity: the phase of that parity before the current one has completed."""
         return (self.phase & 1) != parity
+
+
+def _retire(pending, keep, ring, reading):
+    """warpgroup_mma_wait(keep): all but the newest `keep` of the pending wgmma (slot, tag) retire, each having
+    read its own step's blocks; returns those still in flight."""
+    for s, tag in pending[:len(pending) - keep]:
+        assert ring[s] == tag, f"stage {s} overwritten under its wgmma {tag}"
+        del reading[s]
+    return pending[len(pending) - keep:]
 
 
 def simulate(n_tiles_prog, n_k, stages, first, c_free_step, seed):
@@ -87,18 +96,12 @@ def simulate(n_tiles_prog, n_k, stages, first, c_free_step, seed):
                         yield
                     if d > 0:
                         c_free.arrive()
-                # warpgroup_mma_wait(1): all but the newest retire
-                for s, tag in pending[:-1]:
-                    assert ring[s] == tag, f"stage {s} overwritten under its wgmma {tag}"
-                    del reading[s]
-                pending = pending[-1:]
+                pending = _retire(pending, 1, ring, reading)  # warpgroup_mma_wait(1)
                 if kk > 0:
                     empty[(step + stages - 1) % stages].arrive()
                 step += 1
                 yield
-            for s, tag in pending:
-                assert ring[s] == tag
-                del reading[s]
+            _retire(pending, 0, ring, reading)
             empty[(step + stages - 1) % stages].arrive()
             if first:
                 while stores_unread[0]:
@@ -137,7 +140,11 @@ def simulate(n_tiles_prog, n_k, stages, first, c_free_step, seed):
             stores_unread[0] -= 1
         return True
 
-    parts = {"loader": loader(), "compute": compute()}
+    _run(rng, {"loader": loader(), "compute": compute()}, progress_async, in_flight)
+
+def _run(rng, parts, progress_async, in_flight):
+    """Random interleaving of the partitions' generators and the TMA unit until all finish; a deadlock is a long
+    run of rounds in which nothing lands while nothing is in flight."""
     live = dict(parts)
     idle_rounds = 0
     while live:
@@ -158,6 +165,102 @@ def simulate(n_tiles_prog, n_k, stages, first, c_free_step, seed):
     assert not in_flight or all(op[0] == "store" for op in in_flight)
 
 
+def simulate_pingpong(n_tiles_prog, n_k, stages, first, seed, shared_ready=False):
+    """`_dw_pair_pp_kernel`'s protocol: a loader, two compute owners taking the program's tiles in turns (tile i to
+    owner i % 2), one ring, per owner its ready barriers (or one shared set: `shared_ready`, the unsafe variant),
+    its hi_s / lo_s and its c_ready / c_free."""
+    rng = random.Random(seed)
+    ready = [[MBarrier() for _ in range(stages)]] * 2 if shared_ready else \
+        [[MBarrier() for _ in range(stages)] for _ in range(2)]
+    empty = [MBarrier() for _ in range(stages)]
+    c_ready, c_free = [MBarrier(), MBarrier()], [MBarrier(), MBarrier()]
+    ring = [None] * stages  # the (tile, k) whose blocks a stage holds
+    hi_s = [None, None]  # per owner: the tile whose C blocks (or epilogue result) its hi_s holds
+    in_flight = []
+    stores_unread = [0, 0]  # per owner: its stores that have not read its hi_s / lo_s
+    reading = {}  # stage -> (tile, k) that an unretired wgmma reads
+
+    def loader():
+        step = 0
+        c_at = min(n_k - 1, stages - 2)
+        for i in range(n_tiles_prog):
+            o = i % 2
+            for kk in range(n_k):
+                slot = step % stages
+                while not empty[slot].done(((step // stages) & 1) ^ 1):
+                    yield
+                ready[o][slot].arrive(tx=2)
+                in_flight.append(("stage", slot, (i, kk), ready[o][slot]))
+                if not first and kk == c_at:
+                    while not c_free[o].done(((i // 2) & 1) ^ 1):
+                        yield
+                    c_ready[o].arrive(tx=2)
+                    in_flight.append(("c", o, i))
+                step += 1
+                yield
+
+    def compute(o):
+        phases = 0  # bit s: the parity of ready[o][s]'s next phase
+        for j, i in enumerate(range(o, n_tiles_prog, 2)):
+            step = i * n_k
+            pending = []  # unretired wgmma: (slot, tag)
+            for kk in range(n_k):
+                slot = step % stages
+                parity = ((step // stages) & 1) if shared_ready else (phases >> slot) & 1
+                while not ready[o][slot].done(parity):
+                    yield
+                phases ^= 1 << slot
+                assert ring[slot] == (i, kk), f"owner {o}: wgmma of {(i, kk)} reads {ring[slot]}"
+                assert slot not in reading, f"stage {slot} read by two wgmma"
+                pending.append((slot, (i, kk)))
+                reading[slot] = (i, kk)
+                if not first and kk == 0:
+                    while stores_unread[o]:
+                        yield
+                    if j > 0:
+                        c_free[o].arrive()
+                pending = _retire(pending, 1, ring, reading)  # warpgroup_mma_wait(1)
+                if kk > 0:
+                    empty[(step + stages - 1) % stages].arrive()
+                step += 1
+                yield
+            _retire(pending, 0, ring, reading)
+            empty[(step + stages - 1) % stages].arrive()
+            if first:
+                while stores_unread[o]:
+                    yield
+            else:
+                while not c_ready[o].done(j & 1):
+                    yield
+                assert hi_s[o] == ("C", i), f"owner {o}: epilogue of tile {i} reads {hi_s[o]}"
+            hi_s[o] = ("out", i)
+            stores_unread[o] += 2
+            in_flight.extend([("store", o), ("store", o)])
+            yield
+        while stores_unread[o]:
+            yield
+
+    def progress_async():
+        if not in_flight:
+            return False
+        op = in_flight.pop(rng.randrange(len(in_flight)))
+        if op[0] == "stage":
+            _, slot, tag, bar = op
+            assert slot not in reading, f"load of {tag} lands on stage {slot} under wgmma {reading.get(slot)}"
+            ring[slot] = tag
+            bar.land(2)
+        elif op[0] == "c":
+            _, o, i = op
+            assert stores_unread[o] == 0, f"C load of tile {i} lands while owner {o}'s stores still read hi_s"
+            hi_s[o] = ("C", i)
+            c_ready[o].land(2)
+        else:
+            stores_unread[op[1]] -= 1
+        return True
+
+    _run(rng, {"loader": loader(), "owner 0": compute(0), "owner 1": compute(1)}, progress_async, in_flight)
+
+
 def main():
     runs = 0
     for stages, n_k, tiles, first in itertools.product([2, 3, 4, 5], [1, 2, 3, 5, 8], [1, 2, 3, 5], [True, False]):
@@ -166,6 +269,22 @@ def main():
                 simulate(tiles, n_k, stages, first, c_free_step, seed)
                 runs += 1
     print(f"{runs} random schedules: no deadlock, every wgmma and epilogue read its own blocks")
+    runs = 0
+    for stages, n_k, tiles, first in itertools.product([2, 3, 4, 5, 7], [1, 2, 3, 5, 8], [1, 2, 3, 4, 5, 7],
+                                                       [True, False]):
+        for seed in range(6):
+            simulate_pingpong(tiles, n_k, stages, first, seed)
+            runs += 1
+    print(f"ping-pong: {runs} random schedules: no deadlock, every wgmma and epilogue read its own blocks")
+    # the control: with one ready barrier per stage shared by the owners, some schedule must go wrong
+    failures = 0
+    for seed in range(200):
+        try:
+            simulate_pingpong(4, 5, 3, False, seed, shared_ready=True)
+        except AssertionError:
+            failures += 1
+    print(f"ping-pong with shared ready barriers (unsafe): {failures} of 200 schedules read the wrong blocks")
+    assert failures, "the model no longer catches the shared ready barrier's early pass"
 
 
 if __name__ == "__main__":
