@@ -17,6 +17,9 @@ from triton.compiler import ASTSource
 
 from fce_torch.sums import row_sum
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from ptxas_usage import ptxas_usage  # noqa: E402  (tools/ is no package)
+
 
 def _compiled(kernel, signature, constants, warps=8, stages=3, aligned=()):
     for name in constants:
@@ -27,18 +30,8 @@ def _compiled(kernel, signature, constants, warps=8, stages=3, aligned=()):
 
 
 def _spilled(kernel, signature, constants, warps=8, stages=3, aligned=()):
-    compiled = _compiled(kernel, signature, constants, warps, stages, aligned)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    ptx = compiled.asm["ptx"]
-    result = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", "-", "-o", os.devnull], input=ptx,
-                            capture_output=True, text=True, check=False)
-    if result.returncode:  # older ptxas read no stdin: a file then
-        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fce_sm90_{os.getpid()}.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        result = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull],
-                                capture_output=True, text=True, check=True)
-    return int(re.search(r"(\d+) bytes spill stores", result.stderr).group(1))
+    """Bytes of spill stores per thread of the kernel compiled for sm_90a."""
+    return ptxas_usage(_compiled(kernel, signature, constants, warps, stages, aligned).asm["ptx"])[1]
 
 
 # The launches' own: FLATTEN as fce_torch's tiles set it (grad_gemms.flattened), unsliced K (dW, dX of one slice).
@@ -187,12 +180,11 @@ def _in_compiler(kind, *args):
 def _gluon_dw(schedule, first):
     """(shared bytes, registers, spilled bytes) of tools/gluon_dw.py's accumulation kernel (or its first chunk's):
     plain or warp-specialized on 256x128x32 tiles in 5 stages, ping-pong on 128x128x64 in 3."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     import gluon_dw
     tiles = (128, 128, 64, 3) if schedule == "pingpong" else (256, 128, 32, 5)
     compiled = gluon_dw._compile(*tiles, first=first, last=False, ws=schedule == "ws",
                                  pingpong=schedule == "pingpong")
-    regs, spill_stores, spill_loads = gluon_dw._ptxas(compiled.asm["ptx"])
+    regs, spill_stores, spill_loads = ptxas_usage(compiled.asm["ptx"])
     return compiled.metadata.shared, regs, spill_stores + spill_loads
 
 

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: fce_core, fce_torch
@@ -42,6 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from fce_core.plan import cdiv, rows_fast
 from fce_torch.kernels import fastmath as fm
 from fce_torch.kernels.grad_gemms import tile_origin
+from ptxas_usage import ptxas_usage
 from fce_torch.kernels.tma import processors
 
 SMEM_LIMIT = 232448  # sm_90a's shared memory per block (227 KiB)
@@ -126,6 +126,23 @@ def _epilogue_cols(t, hi_s, lo_s, col: gl.constexpr, PARTS: gl.constexpr, FIRST:
 
 
 @gluon.jit
+def _finish_tile(acc, hi_s, lo_s, hi_desc, lo_desc, c_ready, phase, r0, c0, FIRST: gl.constexpr,
+                 LAST: gl.constexpr, EPI_SPLIT: gl.constexpr, ASM: gl.constexpr):
+    """A tile after its K loop: C's blocks awaited on c_ready (parity `phase`; FIRST: the previous tile's stores
+    awaited instead, hi_s / lo_s being their staging), the epilogue, and the TMA stores of hi (and lo, unless
+    LAST) at (r0, c0)."""
+    if FIRST:
+        tma.store_wait(0)
+    else:
+        mbarrier.wait(c_ready, phase)
+    _epilogue_cols(acc, hi_s, lo_s, 0, EPI_SPLIT, FIRST, LAST, ASM)
+    hopper.fence_async_shared()  # the generic-proxy stores, before the TMA unit reads them (stores, C loads)
+    tma.async_copy_shared_to_global(hi_desc, [r0, c0], hi_s)
+    if not LAST:
+        tma.async_copy_shared_to_global(lo_desc, [r0, c0], lo_s)
+
+
+@gluon.jit
 def _dw_pair_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.constexpr, LAST: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                     ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_SPLIT: gl.constexpr = 8,
@@ -185,18 +202,10 @@ def _dw_pair_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.constex
         if not FIRST and not PREFETCH_C:
             _issue_c_loads(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0)
 
-        if FIRST:
-            tma.store_wait(0)  # the previous tile's stores have read hi_s / lo_s
-        else:
-            mbarrier.wait(c_ready, done & 1)
         # The epilogue in EPI_SPLIT column slices, each written to hi_s / lo_s before the next is formed. With
         # LOOKAHEAD every split compiled without spills (255 registers in one piece, 170-210 in 8 slices);
         # without it the one piece spilled 28-992 bytes a thread, 8 slices none.
-        _epilogue_cols(acc, hi_s, lo_s, 0, EPI_SPLIT, FIRST, LAST, ASM)
-        hopper.fence_async_shared()  # the generic-proxy stores, before the TMA unit reads them
-        tma.async_copy_shared_to_global(hi_desc, [r0, c0], hi_s)
-        if not LAST:
-            tma.async_copy_shared_to_global(lo_desc, [r0, c0], lo_s)
+        _finish_tile(acc, hi_s, lo_s, hi_desc, lo_desc, c_ready, done & 1, r0, c0, FIRST, LAST, EPI_SPLIT, ASM)
         done += 1
     tma.store_wait(0)
 
@@ -239,23 +248,6 @@ def _retire_last(acc, empty, step, STAGES: gl.constexpr):
     acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
     return acc
-
-
-@gluon.jit
-def _finish_tile(acc, hi_s, lo_s, hi_desc, lo_desc, c_ready, phase, r0, c0, FIRST: gl.constexpr,
-                 LAST: gl.constexpr, EPI_SPLIT: gl.constexpr, ASM: gl.constexpr):
-    """A warp-specialized compute partition's tile after its K loop: C's blocks awaited on c_ready (parity
-    `phase`; FIRST: the previous tile's stores awaited instead, hi_s / lo_s being their staging), the epilogue,
-    and the TMA stores of hi (and lo, unless LAST) at (r0, c0)."""
-    if FIRST:
-        tma.store_wait(0)
-    else:
-        mbarrier.wait(c_ready, phase)
-    _epilogue_cols(acc, hi_s, lo_s, 0, EPI_SPLIT, FIRST, LAST, ASM)
-    hopper.fence_async_shared()  # the generic-proxy stores, before the TMA unit reads them (stores, C loads)
-    tma.async_copy_shared_to_global(hi_desc, [r0, c0], hi_s)
-    if not LAST:
-        tma.async_copy_shared_to_global(lo_desc, [r0, c0], lo_s)
 
 
 @gluon.jit
@@ -564,25 +556,6 @@ def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefe
                           options=dict(num_warps=4 if pingpong else 8))
 
 
-def _ptxas(ptx):
-    """ptxas -v's (registers, spill store bytes, spill load bytes) for sm_90a PTX, with the wheel's ptxas
-    (as tests/test_sm90_registers.py runs it)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    result = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", "-", "-o", os.devnull], input=ptx,
-                            capture_output=True, text=True, check=False)
-    if result.returncode:  # an older ptxas reads no stdin: a file then
-        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gluon_dw_{os.getpid()}.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        result = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull],
-                                capture_output=True, text=True, check=True)
-        os.remove(path)
-    out = result.stderr
-    return (int(re.search(r"Used (\d+) registers", out).group(1)),
-            int(re.search(r"(\d+) bytes spill stores", out).group(1)),
-            int(re.search(r"(\d+) bytes spill loads", out).group(1)))
-
-
 def _variant(bm, bn, bk, stages, lookahead=True, prefetch_c=True, epi_split=8, ws=False, pingpong=False):
     return dict(bm=bm, bn=bn, bk=bk, stages=stages, lookahead=lookahead, prefetch_c=prefetch_c, epi_split=epi_split,
                 ws=ws, pingpong=pingpong)
@@ -640,7 +613,7 @@ def compile_check():
                 rows.append(row)
                 continue
             ptx = compiled.asm["ptx"]
-            regs, spill_st, spill_ld = _ptxas(ptx)
+            regs, spill_st, spill_ld = ptxas_usage(ptx)
             row.update(shared=compiled.metadata.shared, regs=regs, spill_stores=spill_st, spill_loads=spill_ld,
                        tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
                        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)), warps=compiled.metadata.num_warps,
