@@ -11,16 +11,20 @@ k16 steps (the step BK only groups them), so the bits must equal fce_torch's.
 load (the ring, C's blocks), the 8 compute warps only wait, run the wgmma and the epilogue, and store; the barrier
 protocol is described above the kernel; tools/ws_protocol_sim.py checks it on random schedules.
 `_dw_pair_pp_kernel` (dw_pair(pingpong=True)) gives each of two compute warpgroups whole tiles in turns, so that
-one's epilogue runs under the other's wgmma (the protocol above it; the simulator checks it too). It compiles for
-sm_90a without spills and has not run on a GPU yet (the session that wrote it had no device time left).
+one's epilogue runs under the other's wgmma (the protocol above it; the simulator checks it too).
+`_dw_pair_ep_kernel` (dw_pair(ep=True)) hands each tile's float32 accumulator through shared memory to an
+epilogue partition of 2 warps; `_dw_pair_il_kernel` (dw_pair(il=True)) runs each tile's epilogue a row block at a
+time between the next tile's wgmma issues, in the compute warps themselves.
 
-A development tool, not used by fce: it measures whether C's prefetch, a loader warp and the ping-pong schedule
-make the (hi, lo) accumulation faster than fce_torch's Triton kernel, bit for bit the same
-(bench/results/nvidia-h100/dw-epilogue/: the plain and warp-specialized kernels measured there).
+A development tool, not used by fce: it measures whether C's prefetch, a loader warp and these schedules make
+the (hi, lo) accumulation faster than fce_torch's Triton kernel, bit for bit the same. Every schedule gave
+fce_torch's bits on the H100; none beat its accumulation by more than 4% (bench/results/nvidia-h100/dw-epilogue/).
 
-    python tools/gluon_dw.py [--short] [OUT.json]   # GPU: bit checks and timings (gpu_main); no GPU: compile_check
+    python tools/gluon_dw.py [--short|--ep] [OUT.json]   # GPU: bit checks and timings (gpu_main); no GPU: compile_check
     --short: the ping-pong and warp-specialized launches and the best plain one (SHORT_VARIANTS), with first-chunk
              timings
+    --ep: the interleaved-epilogue and epilogue-partition launches (IL_VARIANTS, EP_VARIANTS) and the
+          best warp-specialized ones, with first-chunk timings
 """
 import json
 import os
@@ -45,6 +49,10 @@ from ptxas_usage import ptxas_usage
 from fce_torch.kernels.tma import processors
 
 SMEM_LIMIT = 232448  # sm_90a's shared memory per block (227 KiB)
+# the epilogue partition's float32 accumulator in shared memory: 32-byte units swizzled by the row (mod 8), so that
+# the wgmma layout's stores (8 rows of 4 threads' 8 bytes a warp) fall in 256 distinct bytes and each thread's
+# row-major read of 8 columns is one unit
+ACC_SMEM = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
 
 
 @gluon.jit
@@ -251,6 +259,19 @@ def _retire_last(acc, empty, step, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _load_k_step(a_desc, b_desc, a_ring, b_ring, bar, empty, step, kk, r0, c0, BK: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """The loader's K step `step` (kk of the tile at (r0, c0)): once the wgmma that last read its stage has
+    retired (empty's parity ((step // STAGES) & 1) ^ 1, the first STAGES pass at once), A's and B's blocks
+    loaded into the stage, signalled on `bar`."""
+    slot = step % STAGES
+    mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [kk * BK, r0], bar, a_ring.index(slot))
+    tma.async_copy_global_to_shared(b_desc, [kk * BK, c0], bar, b_ring.index(slot))
+
+
+@gluon.jit
 def _ws_load_partition(a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free,
                        pid, programs, n_m, n_n, n_tiles, n_k, FIRST: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, ROWS_FAST: gl.constexpr):
@@ -260,12 +281,8 @@ def _ws_load_partition(a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, l
     for tile in range(pid, n_tiles, programs):
         r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
         for kk in range(n_k):
-            slot = step % STAGES
-            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [kk * BK, r0], bar, a_ring.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [kk * BK, c0], bar, b_ring.index(slot))
+            _load_k_step(a_desc, b_desc, a_ring, b_ring, ready.index(step % STAGES), empty, step, kk, r0, c0, BK,
+                         STAGES)
             if not FIRST:
                 if kk == c_at:
                     mbarrier.wait(c_free, (done & 1) ^ 1)
@@ -309,6 +326,27 @@ def _ws_compute_partition(a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_f
 
 
 @gluon.jit
+def _ring(a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """The operand ring (STAGES blocks of A and of B) and its `ready` / `empty` barriers (count 1), initialized."""
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BK, BM], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return a_ring, b_ring, ready, empty
+
+
+@gluon.jit
+def _barrier():
+    """One mbarrier of count 1, initialized."""
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    return bar
+
+
+@gluon.jit
 def _dw_pair_ws_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.constexpr, LAST: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                        ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_SPLIT: gl.constexpr = 8,
@@ -317,19 +355,11 @@ def _dw_pair_ws_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.cons
     # the epilogue as the loader runs ahead), warp-specialized: see the protocol above.
     gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
     gl.static_assert(C_FREE_STEP <= STAGES - 2, "c_free's arrival must follow a K step the loader issued first")
-    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BK, BM], a_desc.layout)
-    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    a_ring, b_ring, ready, empty = _ring(a_desc, b_desc, BM, BN, BK, STAGES)
     hi_s = gl.allocate_shared_memory(hi_desc.dtype, [BM, BN], hi_desc.layout)
     lo_s = gl.allocate_shared_memory(lo_desc.dtype, [BM, BN], lo_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    c_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(c_ready, count=1)
-    mbarrier.init(c_free, count=1)
+    c_ready = _barrier()
+    c_free = _barrier()
     hopper.fence_async_shared()  # the barriers' initialization, before the TMA unit signals them
 
     n_m, n_n, n_tiles, n_k, pid, programs = _grid(M, N, K, BM, BN, BK)
@@ -381,12 +411,8 @@ def _pp_load_partition(a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, l
         r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
         owner = i % 2
         for kk in range(n_k):
-            slot = step % STAGES
-            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-            bar = ready.index(owner * STAGES + slot)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [kk * BK, r0], bar, a_ring.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [kk * BK, c0], bar, b_ring.index(slot))
+            _load_k_step(a_desc, b_desc, a_ring, b_ring, ready.index(owner * STAGES + step % STAGES), empty, step,
+                         kk, r0, c0, BK, STAGES)
             if not FIRST:
                 if kk == c_at:
                     mbarrier.wait(c_free.index(owner), ((i // 2) & 1) ^ 1)
@@ -470,16 +496,258 @@ def _dw_pair_pp_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.cons
     ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
 
 
+# ------------------------------------------------------------------------------------------ epilogue partition
+#
+# The (hi, lo) update moved off the wgmma warps: the compute partition (the kernel's 8 warps, 2 warpgroups on a
+# 128x256 or 256x128 tile as in the warp-specialized kernel) hands each finished float32 accumulator over in
+# shared memory (acc_s, [BM, BN], swizzled so that the wgmma layout's stores and the row-major reads both take the
+# fewest wavefronts) and starts the next tile's K loop; an epilogue partition of EPI_WARPS warps reads C's pair
+# from global memory (plain loads, its next row block's issued before the current one is computed, the tile's
+# first before acc_s is awaited), adds the accumulator and writes the new pair, EPI_ROWS rows at a time. Its
+# work per tile must take less than a tile's K loop to be hidden. EPI_WARPS is 2: ptxas compiles every partition
+# under the launch's register limit, 65536 / the warps rounded up to warpgroups (12 warps: 168; 16: 128, below
+# the 154 that the compute partition's 128x256 float32 accumulator needs), and the loader warp shares the
+# epilogue's warpgroup, so the epilogue gets 2 warps (200 registers, 8 rows of 256 a block: no spills).
+# A loader warp fills the ring as in the warp-specialized kernel (no C loads). Barriers (count 1):
+#   ready[s] / empty[s]  the ring, as in the warp-specialized kernel;
+#   acc_full  (compute -> epilogue) acc_s holds tile d's accumulator: the epilogue waits parity d & 1;
+#   acc_free  (epilogue -> compute) the epilogue has read all of acc_s for tile d: the compute partition's store
+#             of tile d waits parity (d & 1) ^ 1 (tile 0 passes at once).
+# acc_s is one buffer (128 KiB next to a 96 KiB ring); while the epilogue works on tile d from registers, the
+# compute partition runs tile d + 1's K loop and waits for acc_free only to store it.
+
+
+@gluon.jit
+def _ep_load_partition(a_desc, b_desc, a_ring, b_ring, ready, empty, pid, programs, n_m, n_n, n_tiles, n_k,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       ROWS_FAST: gl.constexpr):
+    step = 0
+    for tile in range(pid, n_tiles, programs):
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
+        for kk in range(n_k):
+            _load_k_step(a_desc, b_desc, a_ring, b_ring, ready.index(step % STAGES), empty, step, kk, r0, c0, BK,
+                         STAGES)
+            step += 1
+
+
+@gluon.jit
+def _ep_compute_partition(a_ring, b_ring, acc_s, ready, empty, acc_full, acc_free, pid, programs, n_tiles, n_k,
+                          BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BN, 16])
+    step = 0
+    done = 0
+    for tile in range(pid, n_tiles, programs):
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for kk in range(n_k):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            acc = hopper.warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+            acc = _retire_previous(acc, empty, step, kk > 0, STAGES)
+            step += 1
+        acc = _retire_last(acc, empty, step, STAGES)
+        mbarrier.wait(acc_free, (done & 1) ^ 1)
+        acc_s.store(acc)
+        mbarrier.arrive(acc_full)  # after the partition's warps synchronize: every warp's part is stored
+        done += 1
+
+
+@gluon.jit
+def _ep_rows(hi_ptr, lo_ptr, M, N, r0, c0, rows, cols, valid):
+    """The pair's pointers (hi, lo) and the mask of the rows r0 + rows, columns c0 + cols (none where not
+    `valid`): a 64-bit base, 32-bit offsets within the block."""
+    base = r0.to(gl.int64) * N + c0
+    offs = rows[:, None] * N + cols[None, :]
+    mask = ((r0 + rows) < M)[:, None] & ((c0 + cols) < N)[None, :] & valid
+    return hi_ptr + base + offs, lo_ptr + base + offs, mask
+
+
+@gluon.jit
+def _ep_c(hi_ptr, lo_ptr, M, N, r0, c0, rows, cols, valid, FIRST: gl.constexpr):
+    """C's (hi, lo) values of those rows (FIRST: placeholders, C is not read)."""
+    hi = 0
+    lo = 0
+    if not FIRST:
+        hi_p, lo_p, mask = _ep_rows(hi_ptr, lo_ptr, M, N, r0, c0, rows, cols, valid)
+        hi = gl.load(hi_p, mask=mask)
+        lo = gl.load(lo_p, mask=mask)
+    return hi, lo
+
+
+@gluon.jit
+def _ep_block(blocks, b, hi_c, lo_c, hi_ptr, lo_ptr, M, N, r0, c0, rows, cols, layout: gl.constexpr,
+              FIRST: gl.constexpr, LAST: gl.constexpr, ASM: gl.constexpr):
+    """Row block b of the tile at (r0, c0): its float32 product from acc_s (`blocks`, [BLOCKS, EPI_ROWS, BN]) plus
+    C's pair (hi_c, lo_c), split into the new pair and stored. The next block's C loads are issued first, so
+    that they are in flight during this block's arithmetic; returns their values."""
+    EPI_ROWS: gl.constexpr = blocks.shape[1]
+    BLOCKS: gl.constexpr = blocks.shape[0]
+    part = blocks.index(b).load(layout)
+    nxt_hi, nxt_lo = _ep_c(hi_ptr, lo_ptr, M, N, r0 + (b + 1) * EPI_ROWS, c0, rows, cols, b + 1 < BLOCKS, FIRST)
+    if FIRST:
+        s = part
+    else:
+        s = fm.pair_value(hi_c, lo_c, ASM) + part
+    hi, lo = fm.pair_split(s, gl.bfloat16, ASM)
+    hi_p, lo_p, mask = _ep_rows(hi_ptr, lo_ptr, M, N, r0 + b * EPI_ROWS, c0, rows, cols, True)
+    gl.store(hi_p, hi, mask=mask)
+    if not LAST:
+        gl.store(lo_p, lo, mask=mask)
+    return nxt_hi, nxt_lo
+
+
+@triton.constexpr_function
+def _ep_layout(bn, warps):
+    """The epilogue's row-major layout: a thread's 8 consecutive columns (16 bytes of hi), bn // 8 threads (at
+    most a warp) across a row."""
+    tn = min(bn // 8, 32)
+    return gl.BlockedLayout([1, 8], [32 // tn, tn], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _ep_epilogue_partition(acc_s, acc_full, acc_free, hi_ptr, lo_ptr, M, N, pid, programs, n_m, n_n, n_tiles,
+                           FIRST: gl.constexpr, LAST: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                           ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_ROWS: gl.constexpr):
+    layout: gl.constexpr = _ep_layout(BN, gl.num_warps())
+    rows = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    BLOCKS: gl.constexpr = BM // EPI_ROWS
+    # acc_s as BLOCKS buffers of [EPI_ROWS, BN], each swizzled alike: the same bytes, EPI_ROWS being a multiple of
+    # the swizzle's period of 8 rows
+    blocks = acc_s._reinterpret(gl.float32, [BLOCKS, EPI_ROWS, BN], ACC_SMEM)
+    done = 0
+    for tile in range(pid, n_tiles, programs):
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
+        hi_c, lo_c = _ep_c(hi_ptr, lo_ptr, M, N, r0, c0, rows, cols, True, FIRST)
+        mbarrier.wait(acc_full, done & 1)
+        for b in range(BLOCKS):
+            hi_c, lo_c = _ep_block(blocks, b, hi_c, lo_c, hi_ptr, lo_ptr, M, N, r0, c0, rows, cols, layout, FIRST,
+                                   LAST, ASM)
+        mbarrier.arrive(acc_free)  # every warp has read acc_s: the next tile's accumulator may come
+        done += 1
+
+
+@gluon.jit
+def _dw_pair_ep_kernel(a_desc, b_desc, hi_ptr, lo_ptr, M, N, K, FIRST: gl.constexpr, LAST: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_ROWS: gl.constexpr = 8,
+                       EPI_WARPS: gl.constexpr = 2, EPI_REGS: gl.constexpr = 200, LOADER_REGS: gl.constexpr = 24):
+    # `_dw_pair_ws_kernel`'s computation with the epilogue in its own partition: see the protocol above. hi_ptr /
+    # lo_ptr: the pair [M, N], rows contiguous.
+    gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
+    gl.static_assert(BM % EPI_ROWS == 0, "the epilogue's row blocks tile BM")
+    a_ring, b_ring, ready, empty = _ring(a_desc, b_desc, BM, BN, BK, STAGES)
+    acc_s = gl.allocate_shared_memory(gl.float32, [BM, BN], ACC_SMEM)
+    acc_full = _barrier()
+    acc_free = _barrier()
+    hopper.fence_async_shared()  # the barriers' initialization, before the TMA unit signals them
+
+    n_m, n_n, n_tiles, n_k, pid, programs = _grid(M, N, K, BM, BN, BK)
+    gl.warp_specialize([
+        (_ep_compute_partition, (a_ring, b_ring, acc_s, ready, empty, acc_full, acc_free, pid, programs, n_tiles,
+                                 n_k, BM, BN, STAGES)),
+        (_ep_epilogue_partition, (acc_s, acc_full, acc_free, hi_ptr, lo_ptr, M, N, pid, programs, n_m, n_n,
+                                  n_tiles, FIRST, LAST, BM, BN, ROWS_FAST, ASM, EPI_ROWS)),
+        (_ep_load_partition, (a_desc, b_desc, a_ring, b_ring, ready, empty, pid, programs, n_m, n_n, n_tiles, n_k,
+                              BM, BN, BK, STAGES, ROWS_FAST)),
+    ], [EPI_WARPS, 1], [EPI_REGS, LOADER_REGS])
+
+
+# ------------------------------------------------------------------------------------------ interleaved epilogue
+#
+# The epilogue partition's 2 warps could not keep up (their issue slots are 2 of the multiprocessor's 4
+# schedulers'). Here the compute partition (8 warps, all 4 schedulers) runs the previous tile's epilogue itself,
+# a row block at a time between the wgmma issues of the current tile's K loop: at step kk it issues the step's
+# wgmma, then (every SPREAD = n_k // BLOCKS steps) one block of the previous tile from acc_s, then retires the
+# previous step's wgmma, so that the tensor cores hold two queued steps during the block's arithmetic. At the
+# tile's end the accumulator goes to acc_s (the warps synchronized before, every block of the previous tile
+# having been read, and after). The last tile's blocks run after the loop. A loader warp fills the ring (ready /
+# empty as in the warp-specialized kernel); acc_s is the compute partition's alone, so it needs no mbarrier.
+
+
+# the warps' barrier (within a warp-specialized partition, its warps'): Triton 3.6's name, 3.7's
+_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@gluon.jit
+def _il_compute_partition(a_ring, b_ring, acc_s, ready, empty, hi_ptr, lo_ptr, M, N, pid, programs, n_m, n_n,
+                          n_tiles, n_k, FIRST: gl.constexpr, LAST: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                          STAGES: gl.constexpr, ROWS_FAST: gl.constexpr, ASM: gl.constexpr,
+                          EPI_ROWS: gl.constexpr):
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BN, 16])
+    layout: gl.constexpr = _ep_layout(BN, gl.num_warps())
+    rows = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    BLOCKS: gl.constexpr = BM // EPI_ROWS
+    blocks = acc_s._reinterpret(gl.float32, [BLOCKS, EPI_ROWS, BN], ACC_SMEM)
+    spread = gl.maximum(n_k // BLOCKS, 1)
+    step = 0
+    p_r0 = 0  # the previous tile's origin; pending: its blocks still to run (0 before the first tile)
+    p_c0 = 0
+    pending = 0
+    for tile in range(pid, n_tiles, programs):
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
+        b = 0
+        hi_c, lo_c = _ep_c(hi_ptr, lo_ptr, M, N, p_r0, p_c0, rows, cols, pending > 0, FIRST)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for kk in range(n_k):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            acc = hopper.warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+            if (b < pending) & (kk % spread == 0):
+                hi_c, lo_c = _ep_block(blocks, b, hi_c, lo_c, hi_ptr, lo_ptr, M, N, p_r0, p_c0, rows, cols, layout,
+                                       FIRST, LAST, ASM)
+                b += 1
+            acc = _retire_previous(acc, empty, step, kk > 0, STAGES)
+            step += 1
+        acc = _retire_last(acc, empty, step, STAGES)
+        for rest in range(b, pending):  # n_k < BLOCKS: the blocks that the K loop did not take
+            hi_c, lo_c = _ep_block(blocks, rest, hi_c, lo_c, hi_ptr, lo_ptr, M, N, p_r0, p_c0, rows, cols, layout,
+                                   FIRST, LAST, ASM)
+        _partition_barrier()  # every warp has read acc_s
+        acc_s.store(acc)
+        _partition_barrier()  # every warp's part is in acc_s
+        p_r0 = r0
+        p_c0 = c0
+        pending = BLOCKS
+    hi_c, lo_c = _ep_c(hi_ptr, lo_ptr, M, N, p_r0, p_c0, rows, cols, pending > 0, FIRST)
+    for b in range(pending):  # the last tile's blocks
+        hi_c, lo_c = _ep_block(blocks, b, hi_c, lo_c, hi_ptr, lo_ptr, M, N, p_r0, p_c0, rows, cols, layout, FIRST,
+                               LAST, ASM)
+
+
+@gluon.jit
+def _dw_pair_il_kernel(a_desc, b_desc, hi_ptr, lo_ptr, M, N, K, FIRST: gl.constexpr, LAST: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_ROWS: gl.constexpr = 8,
+                       LOADER_REGS: gl.constexpr = 24):
+    # `_dw_pair_ws_kernel`'s computation with each tile's epilogue run during the next tile's K loop: see above.
+    gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
+    gl.static_assert(BM % EPI_ROWS == 0, "the epilogue's row blocks tile BM")
+    a_ring, b_ring, ready, empty = _ring(a_desc, b_desc, BM, BN, BK, STAGES)
+    acc_s = gl.allocate_shared_memory(gl.float32, [BM, BN], ACC_SMEM)
+    hopper.fence_async_shared()  # the barriers' initialization, before the TMA unit signals them
+
+    n_m, n_n, n_tiles, n_k, pid, programs = _grid(M, N, K, BM, BN, BK)
+    gl.warp_specialize([
+        (_il_compute_partition, (a_ring, b_ring, acc_s, ready, empty, hi_ptr, lo_ptr, M, N, pid, programs, n_m,
+                                 n_n, n_tiles, n_k, FIRST, LAST, BM, BN, STAGES, ROWS_FAST, ASM, EPI_ROWS)),
+        (_ep_load_partition, (a_desc, b_desc, a_ring, b_ring, ready, empty, pid, programs, n_m, n_n, n_tiles, n_k,
+                              BM, BN, BK, STAGES, ROWS_FAST)),
+    ], [1], [LOADER_REGS])
+
+
 def _layout(block, dtype):
     """The shared memory layout of a TMA block (NVMMA, the widest swizzle that the block's rows allow), on the
     host descriptor and in the kernel's buffers alike."""
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
-def shared_bytes(bm, bn, bk, stages, pingpong=False):
-    """The kernel's explicit shared memory: the operand ring, hi_s and lo_s (ping-pong: one pair per owner; the
-    barriers aside)."""
-    return stages * (bm + bn) * bk * 2 + bm * bn * 3 * (2 if pingpong else 1)
+def shared_bytes(bm, bn, bk, stages, pingpong=False, ep=False):
+    """The kernel's explicit shared memory: the operand ring, hi_s and lo_s (ping-pong: one pair per owner;
+    epilogue partition: the float32 acc_s instead; the barriers aside)."""
+    return stages * (bm + bn) * bk * 2 + bm * bn * (4 if ep else 3 * (2 if pingpong else 1))
 
 
 def _c_free_step(stages):
@@ -490,27 +758,43 @@ def _c_free_step(stages):
 
 def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk=64, stages=2, epi_split=8,
             lookahead=True, prefetch_c=True, ws=False, c_free_step=None, loader_regs=24, pingpong=False,
-            compute_regs=240):
+            compute_regs=240, ep=False, epi_rows=None, epi_warps=2, epi_regs=200, il=False):
     """dZᵀ @ x (dZ [K, V], x [K, H]: bfloat16, rows contiguous) into a (hi bfloat16, lo int8) [V, H] pair: with
     `first` a new pair (`grad_gemms.dw_first`), else (hi, lo) updated in place (`grad_gemms.dw_accumulate`);
     with `last`, lo is not written and hi alone is returned, else (hi, lo). One persistent program per
     multiprocessor (fewer where there are fewer tiles). `ws`: the warp-specialized kernel (a loader warp; C
     always prefetched, lookahead / prefetch_c unused), c_free_step and loader_regs its C_FREE_STEP and
     LOADER_REGS. `pingpong`: the ping-pong kernel (two compute warpgroups taking tiles in turns, a loader warp;
-    ws / lookahead / prefetch_c / c_free_step unused), compute_regs the register count of owner 1 (a worker)."""
+    ws / lookahead / prefetch_c / c_free_step unused), compute_regs the register count of owner 1 (a worker).
+    `ep`: the epilogue-partition kernel (epi_rows rows a block, default 2048 // bn; epi_warps warps with epi_regs
+    registers; the other options but loader_regs unused)."""
     k, m = dz.shape
     n = x.shape[1]
-    need = shared_bytes(bm, bn, bk, stages, pingpong)
+    need = shared_bytes(bm, bn, bk, stages, pingpong, ep or il)
     if need > SMEM_LIMIT:
         raise ValueError(f"{bm}x{bn}x{bk} in {stages} stages needs {need} bytes of shared memory, more than "
                          f"{SMEM_LIMIT}")
     if first:
         hi = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
         lo = torch.empty(m, n, device=x.device, dtype=torch.int8)
+    grid = (min(cdiv(m, bm) * cdiv(n, bn), processors(x.device)),)
+    if il:
+        ab = [TensorDescriptor.from_tensor(t, block, _layout(block, gl.bfloat16)) for t, block in [
+            (dz, [bk, bm]), (x, [bk, bn])]]
+        _dw_pair_il_kernel[grid](*ab, hi, lo, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
+                                 ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_ROWS=epi_rows or 2048 // bn,
+                                 LOADER_REGS=loader_regs, num_warps=8)
+        return hi if last else (hi, lo)
+    if ep:
+        ab = [TensorDescriptor.from_tensor(t, block, _layout(block, gl.bfloat16)) for t, block in [
+            (dz, [bk, bm]), (x, [bk, bn])]]
+        _dw_pair_ep_kernel[grid](*ab, hi, lo, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
+                                 ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_ROWS=epi_rows or 2048 // bn,
+                                 EPI_WARPS=epi_warps, EPI_REGS=epi_regs, LOADER_REGS=loader_regs, num_warps=8)
+        return hi if last else (hi, lo)
     descs = [TensorDescriptor.from_tensor(t, block, _layout(block, dt)) for t, block, dt in [
         (dz, [bk, bm], gl.bfloat16), (x, [bk, bn], gl.bfloat16), (hi, [bm, bn], gl.bfloat16),
         (lo, [bm, bn], gl.int8)]]
-    grid = (min(cdiv(m, bm) * cdiv(n, bn), processors(x.device)),)
     if pingpong:
         _dw_pair_pp_kernel[grid](*descs, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
                                  ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_SPLIT=epi_split,
@@ -531,7 +815,8 @@ def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk
 # ------------------------------------------------------------------------------------------ compile check
 
 def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefetch_c=True, ws=False,
-             c_free_step=None, loader_regs=24, pingpong=False, compute_regs=240):
+             c_free_step=None, loader_regs=24, pingpong=False, compute_regs=240, ep=False, epi_rows=None, epi_warps=2,
+             epi_regs=200, il=False):
     """The kernel compiled for sm_90a (no GPU needed), as `dw_pair` launches it for dW (ROWS_FAST False)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -542,7 +827,14 @@ def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefe
                M="i32", N="i32", K="i32")
     consts = dict(FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages, ROWS_FAST=False, ASM=True,
                   EPI_SPLIT=epi_split)
-    if pingpong:
+    if ep or il:
+        del sig["hi_desc"], sig["lo_desc"], consts["EPI_SPLIT"]
+        sig = dict(a_desc=sig["a_desc"], b_desc=sig["b_desc"], hi_ptr="*bf16", lo_ptr="*i8", M="i32", N="i32",
+                   K="i32")
+        consts.update(EPI_ROWS=epi_rows or 2048 // bn, LOADER_REGS=loader_regs)
+        if ep:
+            consts.update(EPI_WARPS=epi_warps, EPI_REGS=epi_regs)
+    elif pingpong:
         consts.update(COMPUTE_REGS=compute_regs, LOADER_REGS=loader_regs)
     elif ws:
         consts.update(C_FREE_STEP=_c_free_step(stages) if c_free_step is None else c_free_step,
@@ -551,14 +843,19 @@ def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefe
         consts.update(LOOKAHEAD=lookahead, PREFETCH_C=prefetch_c)
     for name in consts:
         sig[name] = "constexpr"
-    kernel = _dw_pair_pp_kernel if pingpong else _dw_pair_ws_kernel if ws else _dw_pair_kernel
-    return triton.compile(GluonASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+    kernel = (_dw_pair_il_kernel if il else _dw_pair_ep_kernel if ep else _dw_pair_pp_kernel if pingpong
+              else _dw_pair_ws_kernel if ws else _dw_pair_kernel)
+    # the launch's specializations: pointers 16-byte aligned, N (H) a multiple of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ("hi_ptr", "lo_ptr", "N")}
+    return triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4 if pingpong else 8))
 
 
-def _variant(bm, bn, bk, stages, lookahead=True, prefetch_c=True, epi_split=8, ws=False, pingpong=False):
+def _variant(bm, bn, bk, stages, lookahead=True, prefetch_c=True, epi_split=8, ws=False, pingpong=False, ep=False,
+             il=False, **ep_options):
+    """A launch of `dw_pair`; ep_options: epi_rows, epi_warps, epi_regs of the epilogue partition."""
     return dict(bm=bm, bn=bn, bk=bk, stages=stages, lookahead=lookahead, prefetch_c=prefetch_c, epi_split=epi_split,
-                ws=ws, pingpong=pingpong)
+                ws=ws, pingpong=pingpong, ep=ep, il=il, **ep_options)
 
 
 # dw_pair's launch variants: the ring plus hi_s and lo_s within 227 KiB (BK = 64 allows 2 stages, BK = 32 up to
@@ -579,12 +876,24 @@ SHORT_VARIANTS = [_variant(128, 128, 64, 3, epi_split=4, pingpong=True),
                   _variant(64, 256, 64, 3, epi_split=4, pingpong=True),
                   _variant(256, 128, 32, 5, ws=True), _variant(128, 256, 32, 5, ws=True),
                   _variant(256, 128, 64, 2, ws=True), _variant(256, 128, 32, 5)]
+# the epilogue partition's launches: a 96 or 72 KiB ring next to the 128 KiB float32 acc_s
+# the interleaved epilogue's launches; the epilogue partition's (registers: the most for the epilogue's warpgroup
+# that leaves the compute partition without spills)
+IL_VARIANTS = [_variant(128, 256, 32, 4, il=True), _variant(256, 128, 32, 4, il=True),
+               _variant(128, 256, 32, 3, il=True), _variant(256, 128, 32, 3, il=True),
+               _variant(128, 256, 64, 2, il=True), _variant(128, 256, 32, 4, il=True, epi_rows=16)]
+EP_VARIANTS = [_variant(128, 256, 32, 4, ep=True), _variant(256, 128, 32, 4, ep=True, epi_regs=168),
+               _variant(128, 256, 32, 3, ep=True), _variant(256, 128, 32, 3, ep=True, epi_regs=168)]
+EP_REFERENCES = [_variant(256, 128, 32, 5, ws=True), _variant(128, 256, 32, 5, ws=True)]  # --ep: the best before
 SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"
 MODES = [("first", True, False), ("accumulate", False, False), ("last", False, True)]
 
 
-def _variant_name(bm, bn, bk, stages, lookahead, prefetch_c, epi_split, ws=False, pingpong=False):
-    return (f"gluon {bm}x{bn}x{bk} s{stages}{' ws' if ws else ''}{' pp' if pingpong else ''}"
+def _variant_name(bm, bn, bk, stages, lookahead, prefetch_c, epi_split, ws=False, pingpong=False, ep=False,
+                  il=False, **ep_options):
+    return (f"gluon {bm}x{bn}x{bk} s{stages}{' ws' if ws else ''}{' pp' if pingpong else ''}{' ep' if ep else ''}"
+            f"{' il' if il else ''}"
+            f"{''.join(f' {k}={v}' for k, v in ep_options.items())}"
             f"{'' if lookahead else ' no-lookahead'}"
             f"{'' if prefetch_c else ' C-after-loop'}{'' if epi_split == 8 else f' epi/{epi_split}'}")
 
@@ -597,7 +906,7 @@ def compile_check():
     print(f"{'variant':<42} {'mode':>10} {'shared':>7} {'regs':>4} {'spill st/ld':>11} {'tma':>4} {'wgmma':>5} "
           f"{'warps':>5} {'setmaxnreg':>10}")
     rows, seen = [], set()
-    for variant in VARIANTS + SHORT_VARIANTS:
+    for variant in VARIANTS + SHORT_VARIANTS + IL_VARIANTS + EP_VARIANTS:
         for mode, first, last in MODES:
             key = tuple(dict(variant, prefetch_c=variant["prefetch_c"] or first).values()) + (first, last)
             if key in seen:
@@ -689,13 +998,13 @@ def gpu_main(out_path=None, variants=VARIANTS, shapes=SHAPES, dev="cuda"):
         cfg = _dw_config(h)
         shape_rows.append(dict(base, variant=f"fce dw_accumulate ({cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k})",
                                ms=_time(lambda hi, lo: dw_accumulate(dz, x, (hi, lo)), ref_first), bits=True))
-        if any(kw["ws"] or kw["pingpong"] for kw in variants):
+        if any(kw["ws"] or kw["pingpong"] or kw["ep"] or kw["il"] for kw in variants):
             from fce_torch.kernels.grad_gemms import dw_gemm
             shape_rows.append(dict(base, variant="fce dw_first", bits=None,
                                    ms=_time(lambda hi, lo: dw_first(dz, x, torch.bfloat16), ref_first)))
             shape_rows.append(dict(base, variant="fce dw_gemm (bf16 written)",
                                    ms=_time(lambda hi, lo: dw_gemm(dz, x, torch.bfloat16), ref_first), bits=None))
-            for kw in [kw for kw in variants if kw["ws"] or kw["pingpong"]]:
+            for kw in [kw for kw in variants if kw["ws"] or kw["pingpong"] or kw["ep"] or kw["il"]]:
                 print(f"  (K={k} H={h}: timing {_variant_name(**kw)} first)", file=sys.stderr, flush=True)
                 shape_rows.append(dict(base, variant=_variant_name(**kw) + " first", bits=None,
                                        ms=_time(lambda hi, lo, kw=kw: dw_pair(dz, x, first=True, **kw), ref_first)))
@@ -736,8 +1045,9 @@ def gpu_main(out_path=None, variants=VARIANTS, shapes=SHAPES, dev="cuda"):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--short"]
+    args = [a for a in sys.argv[1:] if a not in ("--short", "--ep")]
     if torch.cuda.is_available():
-        gpu_main(args[0] if args else None, SHORT_VARIANTS if "--short" in sys.argv else VARIANTS)
+        gpu_main(args[0] if args else None, IL_VARIANTS + EP_VARIANTS + EP_REFERENCES if "--ep" in sys.argv
+                 else SHORT_VARIANTS if "--short" in sys.argv else VARIANTS)
     else:
         compile_check()

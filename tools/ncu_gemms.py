@@ -2,7 +2,7 @@
 Compute: warm-up calls first (compiles), then the profiled ones.
 
     ncu --clock-control none --nvtx --nvtx-include "profiled/" --section SpeedOfLight \
-        --section WarpStateStats --section SourceCounters python tools/ncu_gemms.py K,H,V torch|jax|gluon
+        --section WarpStateStats --section SourceCounters python tools/ncu_gemms.py K,H,V torch|jax|gluon|gluon-il
 
 (with `PYTHONPATH=$PWD`; for jax also `XLA_PYTHON_CLIENT_PREALLOCATE=false`, and filter by count instead of
 NVTX, `--launch-count 12`: JAX launches from its own threads). K is the chunk's rows, H and V the weight's shape.
@@ -10,7 +10,9 @@ NVTX, `--launch-count 12`: JAX launches from its own threads). K is the chunk's 
   float32-out logits GEMM and fce_torch's logits GEMM with its statistics;
 - jax: the JAX twin's Mosaic GPU (hi, lo) accumulation, its default schedule and `pingpong`;
 - gluon: fce_torch's dW written, first chunk and accumulation, then tools/gluon_dw.py's first chunk and
-  accumulation (256x128x32, 5 stages).
+  accumulation (256x128x32, 5 stages);
+- gluon-il: fce_torch's dW written, the warp-specialized prototype's first chunk (256x128x32, 5 stages), the
+  interleaved epilogue's first chunk and accumulation (128x256x32, 4 stages).
 A development tool (GPU only); results in bench/results/nvidia-h100/dw-epilogue/.
 """
 import dataclasses
@@ -54,6 +56,10 @@ def _calls(k, h, v, which):
     import gluon_dw as gd
     kw = dict(bm=256, bn=128, bk=32, stages=5)
     gluon_pair = tuple(p.clone() for p in pair)
+    if which == "gluon-il":
+        il = dict(bm=128, bn=256, bk=32, stages=4, il=True)
+        return [lambda: tg.dw_gemm(dz, x, torch.bfloat16), lambda: gd.dw_pair(dz, x, first=True, ws=True, **kw),
+                lambda: gd.dw_pair(dz, x, first=True, **il), lambda: gd.dw_pair(dz, x, *gluon_pair, **il)]
     return [lambda: tg.dw_gemm(dz, x, torch.bfloat16), lambda: tg.dw_first(dz, x, torch.bfloat16),
             lambda: tg.dw_accumulate(dz, x, pair), lambda: gd.dw_pair(dz, x, first=True, **kw),
             lambda: gd.dw_pair(dz, x, *gluon_pair, **kw)]
