@@ -18,7 +18,7 @@ time between the next tile's wgmma issues, in the compute warps themselves.
 
 A development tool, not used by fce: it measures whether C's prefetch, a loader warp and these schedules make
 the (hi, lo) accumulation faster than fce_torch's Triton kernel, bit for bit the same. Every schedule gave
-fce_torch's bits on the H100; none beat its accumulation by more than 4% (bench/results/nvidia-h100/dw-epilogue/).
+fce_torch's bits on the H100; none beat its accumulation by more than 6% (bench/results/nvidia-h100/dw-epilogue/).
 
     python tools/gluon_dw.py [--short|--ep] [OUT.json]   # GPU: bit checks and timings (gpu_main); no GPU: compile_check
     --short: the ping-pong and warp-specialized launches and the best plain one (SHORT_VARIANTS), with first-chunk
