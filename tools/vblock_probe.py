@@ -16,7 +16,11 @@ Per shape, ms (CUDA events, median of REPS after a warm-up):
 - `fce_loss_only`: its forward alone without gradients (the forward pass this plan needs);
 - `vblock_gemms`: per block x @ W_bᵀ (bfloat16 out), dZ_bᵀ x into dW's rows, dZ_b @ W_b (float32 out) added
   into dX; with the logits' stand-in dZ_b = the block's logits, as the GEMMs' time does not depend on values;
-- `vblock_estimate` = fce_loss_only + vblock_gemms (no epilogue, no dX rounding: a floor for the plan).
+- `vblock_estimate` = fce_loss_only + vblock_gemms (no epilogue, no dX rounding: a floor for the plan);
+- `vblock_fce`: the same sweep on fce_torch's own kernels, the recomputing GEMM stood in for by the fused logits
+  GEMM with its statistics epilogue storing its 16-bit tile values into dZ_b's buffer (`logit_tiles`: an exp
+  per element and the row statistics, more than a dZ epilogue needs), then `dw_gemm` and `dx_gemm` (float32
+  out) added into dX; `vblock_fce_estimate` = fce_loss_only + vblock_fce.
 """
 import json
 import statistics
@@ -91,6 +95,26 @@ def probe(n, h, v):
             dx.add_(torch.mm(dz_b, w_b, out_dtype=torch.float32))
     row["vblock_gemms"] = _time(vblock)
     row["vblock_estimate"] = row["fce_loss_only"] + row["vblock_gemms"]
+
+    from fce_core.heads import StatsSpec
+    from fce_core.options import Transform
+    from fce_torch.kernels.grad_gemms import dw_gemm, dx_gemm
+    from fce_torch.kernels.logit_tiles import logit_tiles
+    dz_b = torch.empty(n, vb, device="cuda", dtype=torch.bfloat16)
+    dx_b = torch.empty(n, h, device="cuda", dtype=torch.float32)
+    y_safe = torch.zeros_like(y)
+
+    def vblock_fce():
+        dx.zero_()
+        for v0 in range(0, v, vb):
+            w_b = w[v0:v0 + vb]
+            cols = w_b.shape[0]
+            logit_tiles(x, w_b, None, y_safe, None, spec=StatsSpec(), transform=Transform(), precision="ieee",
+                        out=dz_b[:, :cols])
+            dw[v0:v0 + cols] = dw_gemm(dz_b[:, :cols], x, torch.bfloat16)
+            dx.add_(dx_gemm(dz_b[:, :cols], w_b, dx_b))
+    row["vblock_fce"] = _time(vblock_fce)
+    row["vblock_fce_estimate"] = row["fce_loss_only"] + row["vblock_fce"]
     return row
 
 
@@ -105,7 +129,8 @@ def main():
         base = r["three_gemm"]
         print(f"N={r['N']:6d} H={r['H']:5d} V={r['V']:6d} Vb={r['Vb']:6d}  3 GEMMs {base:7.2f}  "
               + "  ".join(f"{k} {r[k]:7.2f} ({r[k] / base:4.2f}x)" for k in
-                          ("fce_fused", "fce_loss_only", "vblock_gemms", "vblock_estimate")), flush=True)
+                          ("fce_fused", "fce_loss_only", "vblock_gemms", "vblock_estimate", "vblock_fce",
+                           "vblock_fce_estimate")), flush=True)
         torch.cuda.empty_cache()
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
