@@ -513,8 +513,8 @@ def _dw_pair_pp_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.cons
 #   acc_full  (compute -> epilogue) acc_s holds tile d's accumulator: the epilogue waits parity d & 1;
 #   acc_free  (epilogue -> compute) the epilogue has read all of acc_s for tile d: the compute partition's store
 #             of tile d waits parity (d & 1) ^ 1 (tile 0 passes at once).
-# acc_s is one buffer (128 KiB next to a 96 KiB ring); while the epilogue works on tile d from registers, the
-# compute partition runs tile d + 1's K loop and waits for acc_free only to store it.
+# acc_s is one buffer (128 KiB next to a 96 KiB ring); while the epilogue works through tile d's accumulator in
+# it, the compute partition runs tile d + 1's K loop, and waits for acc_free only to store that one.
 
 
 @gluon.jit
