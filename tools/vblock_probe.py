@@ -19,8 +19,9 @@ Per shape, ms (CUDA events, median of REPS after a warm-up):
 - `vblock_estimate` = fce_loss_only + vblock_gemms (no epilogue, no dX rounding: a floor for the plan);
 - `vblock_fce`: the same sweep on fce_torch's own kernels, the recomputing GEMM stood in for by the fused logits
   GEMM with its statistics epilogue storing its 16-bit tile values into dZ_b's buffer (`logit_tiles`: an exp
-  per element and the row statistics, more than a dZ epilogue needs), then `dw_gemm` and `dx_gemm` (float32
-  out) added into dX; `vblock_fce_estimate` = fce_loss_only + vblock_fce.
+  per element and the row statistics, more than a dZ epilogue needs), then `dw_gemm` (its new block copied into
+  dW's rows: a V·H·2-byte copy per sweep that the plan would not make) and `dx_gemm` (float32 out) added into
+  dX; `vblock_fce_estimate` = fce_loss_only + vblock_fce.
 """
 import json
 import statistics
