@@ -85,13 +85,20 @@ def _issue_prologue(a_desc, b_desc, a_ring, b_ring, ready, step, r0, c0, n_k, BK
 
 
 @gluon.jit
-def _issue_c_loads(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0):
-    """The TMA loads of C's (hi, lo) blocks at (r0, c0) into hi_s / lo_s, signalled on c_ready. hi_s / lo_s
-    feed the previous tile's TMA stores until these have read them: wait for that first."""
-    tma.store_wait(0)
+def _load_c(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0):
+    """The TMA loads of C's (hi, lo) blocks at (r0, c0) into hi_s / lo_s, signalled on c_ready (the caller has
+    made sure that no store still reads hi_s / lo_s)."""
     mbarrier.expect(c_ready, hi_desc.block_type.nbytes + lo_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(hi_desc, [r0, c0], c_ready, hi_s)
     tma.async_copy_global_to_shared(lo_desc, [r0, c0], c_ready, lo_s)
+
+
+@gluon.jit
+def _issue_c_loads(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0):
+    """`_load_c` from the warps that issued the previous tile's TMA stores out of hi_s / lo_s: they wait for
+    those stores first."""
+    tma.store_wait(0)
+    _load_c(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0)
 
 
 @gluon.jit
@@ -286,9 +293,7 @@ def _ws_load_partition(a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, l
             if not FIRST:
                 if kk == c_at:
                     mbarrier.wait(c_free, (done & 1) ^ 1)
-                    mbarrier.expect(c_ready, hi_desc.block_type.nbytes + lo_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(hi_desc, [r0, c0], c_ready, hi_s)
-                    tma.async_copy_global_to_shared(lo_desc, [r0, c0], c_ready, lo_s)
+                    _load_c(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0)
             step += 1
         done += 1
 
@@ -416,9 +421,7 @@ def _pp_load_partition(a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, l
             if not FIRST:
                 if kk == c_at:
                     mbarrier.wait(c_free.index(owner), ((i // 2) & 1) ^ 1)
-                    mbarrier.expect(c_ready.index(owner), hi_desc.block_type.nbytes + lo_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(hi_desc, [r0, c0], c_ready.index(owner), hi_s.index(owner))
-                    tma.async_copy_global_to_shared(lo_desc, [r0, c0], c_ready.index(owner), lo_s.index(owner))
+                    _load_c(hi_desc, lo_desc, hi_s.index(owner), lo_s.index(owner), c_ready.index(owner), r0, c0)
             step += 1
         i += 1
 

@@ -47,6 +47,21 @@ def _retire(pending, keep, ring, reading):
     return pending[len(pending) - keep:]
 
 
+def _retire_previous(pending, empty, step, has_previous, stages, ring, reading):
+    """The kernels' `_retire_previous` after step `step`'s wgmma: warpgroup_mma_wait(1), then the previous step's
+    stage freed where the tile had one; returns the wgmma still in flight."""
+    pending = _retire(pending, 1, ring, reading)
+    if has_previous:
+        empty[(step + stages - 1) % stages].arrive()
+    return pending
+
+
+def _retire_last(pending, empty, step, stages, ring, reading):
+    """The kernels' `_retire_last` (`step` one past the tile's last): every wgmma retired, the last stage freed."""
+    _retire(pending, 0, ring, reading)
+    empty[(step + stages - 1) % stages].arrive()
+
+
 def simulate(n_tiles_prog, n_k, stages, first, c_free_step, seed):
     rng = random.Random(seed)
     ready = [MBarrier() for _ in range(stages)]
@@ -96,13 +111,10 @@ def simulate(n_tiles_prog, n_k, stages, first, c_free_step, seed):
                         yield
                     if d > 0:
                         c_free.arrive()
-                pending = _retire(pending, 1, ring, reading)  # warpgroup_mma_wait(1)
-                if kk > 0:
-                    empty[(step + stages - 1) % stages].arrive()
+                pending = _retire_previous(pending, empty, step, kk > 0, stages, ring, reading)
                 step += 1
                 yield
-            _retire(pending, 0, ring, reading)
-            empty[(step + stages - 1) % stages].arrive()
+            _retire_last(pending, empty, step, stages, ring, reading)
             if first:
                 while stores_unread[0]:
                     yield
@@ -219,13 +231,10 @@ def simulate_pingpong(n_tiles_prog, n_k, stages, first, seed, shared_ready=False
                         yield
                     if j > 0:
                         c_free[o].arrive()
-                pending = _retire(pending, 1, ring, reading)  # warpgroup_mma_wait(1)
-                if kk > 0:
-                    empty[(step + stages - 1) % stages].arrive()
+                pending = _retire_previous(pending, empty, step, kk > 0, stages, ring, reading)
                 step += 1
                 yield
-            _retire(pending, 0, ring, reading)
-            empty[(step + stages - 1) % stages].arrive()
+            _retire_last(pending, empty, step, stages, ring, reading)
             if first:
                 while stores_unread[o]:
                     yield
