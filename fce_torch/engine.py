@@ -215,9 +215,10 @@ def sweep(x, w, bias, class_weights, head, inputs, plan, *, grads=(False, False,
         if keep:
             scale = out.get("scale")
             scale = scale if scale is None or group_order is None else scale[group_order]
-            dz = run.kept_dz(dz_rows, pieces, inputs["y"][g0:g0 + chunks[-1][1]])
-            acc.add(dz, g0, g1, acc.rows(g0, g1), ran=chunks[-1][1], last=g == len(groups) - 1, scale=scale)
-            dz_rows = None  # released before the next group allocates its own
+            # no name holds the kept dZ past its GEMMs: it is freed before the next group allocates its own
+            acc.add(run.kept_dz(dz_rows, pieces, inputs["y"][g0:g0 + chunks[-1][1]]), g0, g1, acc.rows(g0, g1),
+                    ran=chunks[-1][1], last=g == len(groups) - 1, scale=scale)
+            dz_rows = None
         outs.append(out)
     if check is not None:
         check.valid_rows()  # read once every chunk is queued, where no chunk needed it

@@ -283,3 +283,27 @@ def test_groups_of_pairs(twin, chunk_rows, groups):
     kw = dict(loss_type="sigmoid", beta=0.5, label_smoothing=0.1, alpha=0.7)
     out = TWINS[twin](x, w, y, b, chunk_rows=chunk_rows, **kw)
     assert_close_to_reference(out, cpo_reference(x, w, y, bias=b, **kw), "float32")
+
+
+@pytest.mark.parametrize("engine,dtype,hidden,seq,groups", [("library", torch.float32, 16, 5, 3),
+                                                             ("fused", torch.bfloat16, 32, 8, 2)])
+def test_groups_free_their_kept_dz_before_the_next(engine, dtype, hidden, seq, groups, monkeypatch):
+    """fce_torch's sweep over groups of pairs holds one group's kept dZ at a time: when a group's GEMMs take its
+    dZ, every earlier group's is already freed (the next group allocates its own before its chunks, so a
+    reference left to the previous one holds two at the peak: 1 GiB more at 8 pairs, H = 4096)."""
+    import weakref
+
+    import fce_torch.engine as torch_engine
+
+    kept = []
+    for runner in (torch_engine._ChunkRunner, torch_engine._FusedChunkRunner):
+        def recording(self, dz_rows, pieces, y, _real=runner.kept_dz):
+            assert all(ref() is None for ref in kept), "an earlier group's kept dZ is still alive"
+            kept.append(weakref.ref(dz_rows))
+            return _real(self, dz_rows, pieces, y)
+        monkeypatch.setattr(runner, "kept_dz", recording)
+    x, w, y, b = make(pairs=3, seq=seq, hidden=hidden, dtype=dtype, seed=5)
+    plan = plan_pairs(3, seq, hidden, 130, x.element_size(), need_grads=True, requested=4, engine=engine)
+    assert len(plan.groups) == groups
+    out = run_torch(x, w, y, b, chunk_rows=4, engine=engine, beta=0.5)
+    assert len(kept) == groups and out["dw"] is not None
