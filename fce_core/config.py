@@ -19,16 +19,14 @@ TANH_C3 = -0.3333333333333333
 TANH_C5 = 0.13333333333333333
 TANH_C7 = -0.05396825396825397
 
-# The fused engine's dW accumulator of a bfloat16 weight, a pair (hi, lo): hi the bfloat16 sum, lo an int8 count of
-# 2**-PAIR_LO_BITS ulps of hi (docs/NUMERICS.md, "dX and dW"). With E hi's biased float32 exponent, one ulp of hi
-# is 2**(E - 127 - 7), so lo counts units of 2**(E - PAIR_SCALE); below PAIR_MIN_EXPONENT (|hi| < 2**-87) and for
-# an infinite or NaN hi, lo is 0. Adding PAIR_ROUND (1.5 * 2**23) rounds a float32 below 2**22 to an integer,
-# to nearest even.
+# The fused engine's dW accumulator of a bfloat16 weight, a pair (hi, lo) (docs/NUMERICS.md, "dX and dW"): hi the
+# bfloat16 sum rounded to nearest even, lo an int8 count of 2**PAIR_LO_BITS units of the float32 bit pattern, the
+# rest of the sum: the pair's value is the float32 whose bit pattern is hi's plus lo * 2**PAIR_LO_BITS, the sum
+# rounded to nearest even to 24 bits (16 significant ones), so that both halves come from integer adds and
+# shifts, with no conversion between integers and floats. lo is clipped to +-PAIR_LO_MAX, short of hi's half
+# ulp (128 units), so that the value rounds back to hi: adding an exact zero leaves the pair as it is.
 PAIR_LO_BITS = 8
-PAIR_SCALE = 127 + 7 + PAIR_LO_BITS
-PAIR_MIN_EXPONENT = 40
 PAIR_LO_MAX = 127
-PAIR_ROUND = 12582912.0
 PAIR_LO_BYTES = 1
 
 

@@ -29,6 +29,8 @@ import math
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fce_core.config import GEMM_INTERPRETER
 from fce_core.contract import FUSED_SOFTCAP_WITH_SMOOTHING, FUSED_SOFTCAP_WITH_SMOOTHING_F16, check_engine
@@ -36,6 +38,7 @@ from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_core.plan import layout, plan_rows
 from fce_core.rows import tile_weights
+from fce_torch.kernels import fastmath as tfm
 from helpers import to_jax, to_torch
 from parity.cases import IGNORE_INDEX, Case, make_inputs
 from parity.reference import as_float64
@@ -837,26 +840,91 @@ def _exact_grad_operands(n, hidden, v, dt, seed):
 
 def _pair_after(chunk_sums):
     """The (hi bfloat16, lo int8) pair after each chunk's float32 sum s_c, by the rule fce_torch/kernels/
-    grad_gemms.py states, in float64 here: s = (hi + lo 2**(E - 142)) + s_c in float32, hi = rne(s), E hi's
-    biased exponent, lo = rne((s - hi) 2**(142 - E)) clipped to +-127, 0 where E < 40 or hi is not finite."""
+    grad_gemms.py states, here on int64 bit patterns: s = f(bits(hi) + 256 lo) + s_c in float32, hi = rne(s),
+    lo = rne((bits(s) - bits(hi)) / 256) clipped to +-127."""
     hi = lo = None
     for s_c in chunk_sums:
-        s = s_c.float() if hi is None else (_pair_value(hi, lo).float() + s_c.float())
-        hi = s.to(torch.bfloat16)
-        biased = _biased_exponent(hi)
-        q = torch.round((s.double() - hi.double()) * torch.exp2(142.0 - biased.double())).clamp(-127, 127)
-        lo = torch.where((biased >= 40) & hi.float().isfinite(), q, 0.0).to(torch.int8)
+        s = s_c.float() if hi is None else pair_value(hi, lo) + s_c.float()
+        hi, lo = pair_split(s)
     return hi, lo
 
 
-def _biased_exponent(hi):
-    """E of hi = m 2**(E - 127), 1 <= m < 2 (0 for zeros; below 1 for subnormals)."""
-    return torch.where(hi == 0, 0, torch.frexp(hi.float()).exponent + 126)
+def _bits(f):
+    return f.float().view(torch.int32).long()
 
 
-def _pair_value(hi, lo):
-    """hi + lo 2**(E - 142) in float64 (exact)."""
-    return hi.double() + lo.double() * torch.exp2(_biased_exponent(hi).double().clamp(min=40) - 142.0)
+def pair_split(s):
+    """(hi, lo) of float32 s by NUMERICS' rule, computed apart from either twin's kernels."""
+    hi = s.to(torch.bfloat16)
+    d = (_bits(s) - _bits(hi)).double()
+    return hi, torch.round(d / 256).clamp(-127, 127).to(torch.int8)
+
+
+def pair_value(hi, lo):
+    """The float32 whose bit pattern is hi's plus 256 lo."""
+    return (_bits(hi) + 256 * lo.long()).to(torch.int32).view(torch.float32)
+
+
+def _pair_edge_values():
+    """float32 values where the pair's split is delicate: random magnitudes of both signs, values just below a
+    power of two (hi rounds up across it), exact ties of lo's unit and of hi's, zeros, subnormals, the largest
+    finite values, sums that overflow hi to infinity, infinities."""
+    g = torch.Generator().manual_seed(7)
+    rnd = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-140, 120, (4096,), generator=g).float())
+    below = -torch.arange(1, 200).double()  # patterns just below 2**k: hi rounds up to 2**k
+    pows = torch.tensor([1.0, 2.0 ** -100, 2.0 ** 100, 2.0 ** 127])
+    near_pow = (pows[:, None].float().view(torch.int32).long() + below[None, :].long()).flatten()
+    base = rnd[:512].view(torch.int32).long() & ~0xFFFF
+    ties = torch.cat([base + 0x80, base + 0x180, base + 0x8000, base + 0x18000, base + 0x7F80, base + 0x8080])
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 3.0e38, -3.0e38, 3.3961e38, 3.4028235e38,
+                            -3.4028235e38, float("inf"), float("-inf")])
+    patterns = torch.cat([near_pow, -near_pow - 2 ** 31, ties]).to(torch.int32).view(torch.float32)
+    return torch.cat([rnd, -rnd, patterns, special])
+
+
+@triton.jit
+def _pair_kernel(s_ptr, hi_ptr, lo_ptr, v_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(s_ptr + i, mask=i < n)
+    hi, lo = tfm.pair_split(s, tl.bfloat16, tfm.ASM)
+    tl.store(hi_ptr + i, hi, mask=i < n)
+    tl.store(lo_ptr + i, lo, mask=i < n)
+    tl.store(v_ptr + i, tfm.pair_value(hi, lo), mask=i < n)
+
+
+def test_pair_split_and_value_edge_values():
+    """Both twins' `pair_split` / `pair_value` (fce_torch's in the Triton interpreter, the JAX twin's as XLA CPU
+    runs it) give the rule's bits on every value of `_pair_edge_values`, and the pair's value is s to 16
+    significant bits: at most 2**-16 of |s| away (2**-15 where lo is clipped) with its low 8 pattern bits 0."""
+    import jax
+    import jax.numpy as jnp
+
+    from fce_jax.kernels import fastmath as jfm
+
+    s = _pair_edge_values()
+    want_hi, want_lo = pair_split(s)
+    want_v = pair_value(want_hi, want_lo)
+    t_hi, t_lo, t_v = torch.empty_like(want_hi), torch.empty_like(want_lo), torch.empty_like(s)
+    _pair_kernel[(triton.cdiv(s.numel(), 1024),)](s, t_hi, t_lo, t_v, s.numel(), BLOCK=1024)
+
+    def jax_pair(s):
+        hi, lo = jfm.pair_split(s, jnp.bfloat16)
+        return hi, lo, jfm.pair_value(hi, lo)
+
+    j_out = [to_torch(a) for a in jax.jit(jax_pair)(to_jax(s))]
+    for impl, got in {"torch": (t_hi, t_lo, t_v), "jax": j_out}.items():
+        for name, a, b in zip(("hi", "lo", "value"), got, (want_hi, want_lo, want_v)):
+            assert _same_bits(a, b), (impl, name)
+    finite = s.isfinite() & want_v.isfinite()
+    assert (want_v.view(torch.int32)[finite] & 0xFF == 0).all()
+    err = (want_v[finite].double() - s[finite].double()).abs()
+    clipped = (_bits(s) - _bits(want_hi)).abs() >= 127 * 256 + 128  # lo would round to +-128
+    bound = s[finite].double().abs() * torch.where(clipped[finite], 2.0 ** -15, 2.0 ** -16)
+    assert (err <= torch.maximum(bound, torch.tensor(2.0 ** -141))).all()
+    assert clipped.any() and (want_lo == -127).any() and (want_hi.float().isinf() & s.isfinite()).any()
+    again = pair_split(want_v)  # the value rounds back to hi: a zero product leaves the pair's bits
+    assert all(_same_bits(a[finite], b[finite]) for a, b in zip(again, (want_hi, want_lo)))
+    assert (want_v[s.isinf()] == s[s.isinf()]).all()
 
 
 def _same_bits(a, b):

@@ -120,7 +120,7 @@ def _epilogue_part(part, hi_s, lo_s, col: gl.constexpr, FIRST: gl.constexpr, LAS
     if FIRST:
         s = part
     else:
-        s = fm.pair_value(hs.load(part.type.layout), ls.load(part.type.layout), ASM) + part
+        s = fm.pair_value(hs.load(part.type.layout), ls.load(part.type.layout)) + part
     hi, lo = fm.pair_split(s, gl.bfloat16, ASM)
     hs.store(hi)
     if not LAST:
@@ -590,7 +590,7 @@ def _ep_block(blocks, b, hi_c, lo_c, hi_ptr, lo_ptr, M, N, r0, c0, rows, cols, l
     if FIRST:
         s = part
     else:
-        s = fm.pair_value(hi_c, lo_c, ASM) + part
+        s = fm.pair_value(hi_c, lo_c) + part
     hi, lo = fm.pair_split(s, gl.bfloat16, ASM)
     hi_p, lo_p, mask = _ep_rows(hi_ptr, lo_ptr, M, N, r0 + b * EPI_ROWS, c0, rows, cols, True)
     gl.store(hi_p, hi, mask=mask)

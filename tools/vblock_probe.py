@@ -21,7 +21,12 @@ Per shape, ms (CUDA events, median of REPS after a warm-up):
   GEMM with its statistics epilogue storing its 16-bit tile values into dZ_b's buffer (`logit_tiles`: an exp
   per element and the row statistics, more than a dZ epilogue needs), then `dw_gemm` (its new block copied into
   dW's rows: a V·H·2-byte copy per sweep that the plan would not make) and `dx_gemm` (float32 out) added into
-  dX; `vblock_fce_estimate` = fce_loss_only + vblock_fce.
+  dX; `vblock_fce_estimate` = fce_loss_only + vblock_fce;
+- `vsweep_tiles`, `vsweep_dz`, `vsweep_dw`, `vsweep_dx`: the sweep on fce_torch's kernels stage by stage, each
+  stage's launches over all blocks: `logit_tiles` into the block's buffer, `tile_dlogits` (the dZ pass over
+  it), dZ_bᵀ x written straight into dW's rows (no copy), dZ_b W_b added into the float32 dX by the GEMM's
+  epilogue (ADD); `vsweep_all` the four per block, `vsweep_estimate` = fce_loss_only + vsweep_all: the plan
+  built from the engine's kernels as they are.
 """
 import json
 import statistics
@@ -116,6 +121,38 @@ def probe(n, h, v):
             dx.add_(dx_gemm(dz_b[:, :cols], w_b, dx_b))
     row["vblock_fce"] = _time(vblock_fce)
     row["vblock_fce_estimate"] = row["fce_loss_only"] + row["vblock_fce"]
+
+    from fce_core.plan import ADD, WRITE
+    from fce_torch.kernels.grad_gemms import _dw_config, _run
+    from fce_torch.kernels.tile_dlogits import tile_dlogits
+    ones = torch.ones(n, device="cuda")
+    coef = dict(lse=ones * 30, a=ones / n, b=-ones / n, c=ones * 0)
+    zy = torch.zeros(n, device="cuda")
+    n_tiles = -(-vb // 256)
+
+    def stage(k):
+        def body():
+            if k in ("dx", "all"):
+                dx.zero_()
+            for v0 in range(0, v, vb):
+                w_b = w[v0:v0 + vb]
+                cols = w_b.shape[0]
+                e = dz_b[:, :cols]
+                if k in ("tiles", "all"):
+                    _, parts = logit_tiles(x, w_b, None, y_safe, None, spec=StatsSpec(), transform=Transform(),
+                                           precision="ieee", out=e)
+                if k in ("dz", "all"):
+                    m = parts["m"] if k == "all" else m_fixed[:, :-(-cols // 256)]
+                    tile_dlogits(e, m, y_safe, zy, None, coef, transform=Transform())
+                if k in ("dw", "all"):
+                    _run(e, True, x, dw[v0:v0 + cols], None, cols, h, n, WRITE, cfg=_dw_config(h))
+                if k in ("dx", "all"):
+                    _run(e, False, w_b, dx, None, n, h, cols, ADD)
+        return body
+    m_fixed = torch.zeros(n, n_tiles, device="cuda")
+    for k in ("tiles", "dz", "dw", "dx", "all"):
+        row[f"vsweep_{k}"] = _time(stage(k))
+    row["vsweep_estimate"] = row["fce_loss_only"] + row["vsweep_all"]
     return row
 
 
@@ -131,7 +168,8 @@ def main():
         print(f"N={r['N']:6d} H={r['H']:5d} V={r['V']:6d} Vb={r['Vb']:6d}  3 GEMMs {base:7.2f}  "
               + "  ".join(f"{k} {r[k]:7.2f} ({r[k] / base:4.2f}x)" for k in
                           ("fce_fused", "fce_loss_only", "vblock_gemms", "vblock_estimate", "vblock_fce",
-                           "vblock_fce_estimate")), flush=True)
+                           "vblock_fce_estimate", "vsweep_tiles", "vsweep_dz", "vsweep_dw", "vsweep_dx",
+                           "vsweep_all", "vsweep_estimate")), flush=True)
         torch.cuda.empty_cache()
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import (LN2, LOG2E, PAIR_LO_MAX, PAIR_MIN_EXPONENT, PAIR_ROUND, PAIR_SCALE, TANH_C3, TANH_C5,
+from fce_core.config import (LN2, LOG2E, PAIR_LO_BITS, PAIR_LO_MAX, TANH_C3, TANH_C5,
                              TANH_C7, TANH_POLY_BELOW)
 
 __all__ = ["LN2", "LOG2E", "ex2", "lg2", "mul", "div", "fma", "tanh", "pair_split", "pair_value"]
@@ -62,37 +62,21 @@ def tanh(u, asm):
     return jnp.where(jnp.abs(u) < TANH_POLY_BELOW, small, big)
 
 
-def _pair_exponent(hf):
-    """hi's biased float32 exponent clamped to [PAIR_MIN_EXPONENT, 254], and whether it was in that range."""
-    e = (lax.bitcast_convert_type(hf, jnp.int32) >> 23) & 0xFF
-    return jnp.clip(e, PAIR_MIN_EXPONENT, 254), (e >= PAIR_MIN_EXPONENT) & (e < 255)
+def _bits(f):
+    return lax.bitcast_convert_type(f, jnp.int32)
 
 
-def _power_of_two(biased):
-    return lax.bitcast_convert_type(biased << 23, jnp.float32)
-
-
-def _round_even(t, asm):
-    """t (|t| < 2**22) rounded to an integer, to nearest even: fma's add of PAIR_ROUND on the GPU (as
-    fce_torch), lax.round elsewhere (XLA CPU folds (t + c) - c back into t)."""
-    if asm:
-        return fma(t, 1.0, PAIR_ROUND, asm) - PAIR_ROUND
-    return lax.round(t, lax.RoundingMethod.TO_NEAREST_EVEN)
-
-
-def pair_split(s, hi_dtype, asm):
-    """The (hi, lo) pair of float32 s (fce_core.config, PAIR_*): hi = rne(s) in hi_dtype, lo = rne((s - hi) in
-    units of 2**-8 ulps of hi) as int8, clipped to +-127. Every product is exact (powers of two); the one
-    rounding is `_round_even`'s."""
+def pair_split(s, hi_dtype):
+    """The (hi, lo) pair of float32 s (fce_core.config, PAIR_*): hi = rne(s) in hi_dtype, lo = the difference of
+    s's and hi's float32 bit patterns in units of 2**PAIR_LO_BITS, rounded to nearest even (integer ops) and
+    clipped to +-PAIR_LO_MAX."""
     hi = s.astype(hi_dtype)
-    hf = hi.astype(jnp.float32)
-    e, finite = _pair_exponent(hf)
-    q = _round_even(mul(s - hf, _power_of_two(PAIR_SCALE + 127 - e), asm), asm)
-    return hi, jnp.where(finite, jnp.clip(q, -PAIR_LO_MAX, PAIR_LO_MAX), 0.0).astype(jnp.int8)
+    d = _bits(s) - _bits(hi.astype(jnp.float32))
+    q = (d + ((1 << PAIR_LO_BITS - 1) - 1) + ((d >> PAIR_LO_BITS) & 1)) >> PAIR_LO_BITS
+    return hi, jnp.clip(q, -PAIR_LO_MAX, PAIR_LO_MAX).astype(jnp.int8)
 
 
-def pair_value(hi, lo, asm):
-    """hi + lo of a `pair_split` pair in float32 (exact: 16 significant bits at most)."""
-    hf = hi.astype(jnp.float32)
-    e, _ = _pair_exponent(hf)
-    return fma(lo.astype(jnp.float32), _power_of_two(e - (PAIR_SCALE - 127)), hf, asm)
+def pair_value(hi, lo):
+    """The float32 of a `pair_split` pair: hi's bit pattern plus lo units of 2**PAIR_LO_BITS (exact)."""
+    u = _bits(hi.astype(jnp.float32)) + (lo.astype(jnp.int32) << PAIR_LO_BITS)
+    return lax.bitcast_convert_type(u, jnp.float32)

@@ -81,8 +81,8 @@ def _triton_kernel(a_ref, b_ref, *refs, m, n, k, slice_k, a_t, mode, first, prec
         s = acc
         if not first:
             s = fm.pair_value(pltriton.load(c_ref.at[block], mask=mask, other=0.0),
-                              pltriton.load(lo_ref.at[block], mask=mask, other=0), asm) + acc
-        hi, lo = fm.pair_split(s, c_ref.dtype, asm)
+                              pltriton.load(lo_ref.at[block], mask=mask, other=0)) + acc
+        hi, lo = fm.pair_split(s, c_ref.dtype)
         pltriton.store(c_ref.at[block], hi, mask=mask)
         if mode == PAIR:
             pltriton.store(lo_ref.at[block], lo, mask=mask)

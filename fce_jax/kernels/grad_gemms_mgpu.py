@@ -255,9 +255,9 @@ def _epilogue(acc, dst, smem, ready, mode, first):
         smem[0][...] = acc.astype(smem[0].dtype)
     elif mode == ADD:
         smem[0][...] = smem[0][...] + acc
-    else:  # plain operations: every product of the pair's arithmetic is exact, so contraction cannot move bits
-        total = acc if first else fm.pair_value(smem[0][...], smem[1][...], asm=False) + acc
-        smem[0][...], smem[1][...] = fm.pair_split(total, smem[0].dtype, asm=False)
+    else:
+        total = acc if first else fm.pair_value(smem[0][...], smem[1][...]) + acc
+        smem[0][...], smem[1][...] = fm.pair_split(total, smem[0].dtype)
     plgpu.commit_smem()
     for d, s_ in zip(dst[:1] if mode == PAIR_LAST else dst, smem):
         plgpu.copy_smem_to_gmem(s_, d)

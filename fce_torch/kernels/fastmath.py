@@ -19,11 +19,9 @@ _TANH_BELOW = tl.constexpr(config.TANH_POLY_BELOW)
 _TANH_C3 = tl.constexpr(config.TANH_C3)
 _TANH_C5 = tl.constexpr(config.TANH_C5)
 _TANH_C7 = tl.constexpr(config.TANH_C7)
-_PAIR_UP = tl.constexpr(config.PAIR_SCALE + 127)  # the biased exponent of 2**PAIR_SCALE
-_PAIR_DOWN = tl.constexpr(config.PAIR_SCALE - 127)
-_PAIR_MIN_E = tl.constexpr(config.PAIR_MIN_EXPONENT)
-_PAIR_LO_MAX = tl.constexpr(float(config.PAIR_LO_MAX))
-_PAIR_ROUND = tl.constexpr(config.PAIR_ROUND)
+_PAIR_LO_BITS = tl.constexpr(config.PAIR_LO_BITS)
+_PAIR_HALF = tl.constexpr((1 << config.PAIR_LO_BITS - 1) - 1)  # a half unit of lo, less one: ties to even
+_PAIR_LO_MAX = tl.constexpr(config.PAIR_LO_MAX)
 
 
 @triton.jit
@@ -103,43 +101,40 @@ def tanh(u, ASM: tl.constexpr):
 
 @triton.jit
 def to_dtype(x, dtype: tl.constexpr, ASM: tl.constexpr):
-    """float32 x rounded to nearest even in `dtype`. The Triton interpreter truncates float32 -> bfloat16,
-    so there the rounding is done on the bits."""
+    """float32 x rounded to nearest even in `dtype`. The Triton interpreter truncates float32 -> bfloat16
+    (and mangles subnormals), so there the rounding is done on the bits."""
     if not ASM and dtype == tl.bfloat16:
         u = x.to(tl.uint32, bitcast=True)
         u = u + 0x7FFF + ((u >> 16) & 1)
-        x = ((u >> 16) << 16).to(tl.float32, bitcast=True)
-    return x.to(dtype)
+        r = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        r = x.to(dtype)
+    return r
 
 
 @triton.jit
-def _pair_exponent(hf):
-    """hi's biased float32 exponent clamped to [PAIR_MIN_EXPONENT, 254], and whether it was in that range."""
-    e = (hf.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return tl.minimum(tl.maximum(e, _PAIR_MIN_E), 254), (e >= _PAIR_MIN_E) & (e < 255)
+def _widened_bits(hi):
+    """The float32 bit pattern of bfloat16 hi, as an int32 (by the bits: the interpreter's conversion mangles
+    subnormals)."""
+    return hi.to(tl.uint16, bitcast=True).to(tl.int32) << 16
 
 
 @triton.jit
 def pair_split(s, HI_DT: tl.constexpr, ASM: tl.constexpr):
-    """The (hi, lo) pair of float32 s (fce_core.config, PAIR_*): hi = rne(s) in HI_DT, lo = rne((s - hi) in
-    units of 2**-8 ulps of hi) as int8, clipped to +-127. Every product is exact (powers of two); the one
-    rounding is fma's add of PAIR_ROUND."""
+    """The (hi, lo) pair of float32 s (fce_core.config, PAIR_*): hi = rne(s) in HI_DT, lo = the difference of
+    s's and hi's float32 bit patterns in units of 2**PAIR_LO_BITS, rounded to nearest even (integer ops) and
+    clipped to +-PAIR_LO_MAX."""
     hi = to_dtype(s, HI_DT, ASM)
-    hf = hi.to(tl.float32)
-    e, finite = _pair_exponent(hf)
-    up = ((-e + _PAIR_UP) << 23).to(tl.float32, bitcast=True)  # 2**(PAIR_SCALE - E)
-    q = fma(mul(s - hf, up, ASM), 1.0, _PAIR_ROUND, ASM) - _PAIR_ROUND
-    q = tl.minimum(tl.maximum(q, -_PAIR_LO_MAX), _PAIR_LO_MAX)
-    return hi, tl.where(finite, q, 0.0).to(tl.int8)
+    d = s.to(tl.int32, bitcast=True) - _widened_bits(hi)
+    q = (d + _PAIR_HALF + ((d >> _PAIR_LO_BITS) & 1)) >> _PAIR_LO_BITS
+    return hi, tl.minimum(tl.maximum(q, -_PAIR_LO_MAX), _PAIR_LO_MAX).to(tl.int8)
 
 
 @triton.jit
-def pair_value(hi, lo, ASM: tl.constexpr):
-    """hi + lo of a `pair_split` pair in float32 (exact: 16 significant bits at most)."""
-    hf = hi.to(tl.float32)
-    e, _ = _pair_exponent(hf)
-    down = ((e - _PAIR_DOWN) << 23).to(tl.float32, bitcast=True)  # 2**(E - PAIR_SCALE)
-    return fma(lo.to(tl.float32), down, hf, ASM)
+def pair_value(hi, lo):
+    """The float32 of a `pair_split` pair: hi's bit pattern plus lo units of 2**PAIR_LO_BITS (exact)."""
+    u = _widened_bits(hi) + (lo.to(tl.int32) << _PAIR_LO_BITS)
+    return u.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -1,12 +1,13 @@
 """The fused engine's gradient GEMMs, in Triton: dX = dZ W and dW (+)= dZᵀ X with float32 accumulation, K
 ascending and never split, so both twins give the same bits whatever the tiles (docs/NUMERICS.md, "The
 fused engine"). dW over several chunks is accumulated either in float32 or, for a bfloat16 weight, as a pair
-(hi, lo) of a bfloat16 [V, H] and an int8 [V, H] array (`fastmath.pair_split`): hi = rne(s), lo the rounded count
-of 2**-8 ulps of hi in s - hi, after each chunk's s = (hi + lo) + dZᵀ X. hi is then the rounded result, so no
-float32 [V, H] buffer and no final conversion exist, and the pair costs 3 bytes per weight element where float32
-costs 4: each chunk reads and writes less, and the planner gives the byte it saves to larger chunks
-(`fce_core.plan.fused_rows`). Each step adds at most 2**-15 relative error (hi's ulp / 256, where lo is
-clipped), far below the final rounding. Twin: fce_jax/kernels/grad_gemms.py.
+(hi, lo) of a bfloat16 [V, H] and an int8 [V, H] array (`fastmath.pair_split`): hi = rne(s), lo the rest of s
+in units of 2**8 of its float32 bit pattern, after each chunk's s = (hi + lo) + dZᵀ X. hi is then the rounded
+result, so no float32 [V, H] buffer and no final conversion exist, and the pair costs 3 bytes per weight element
+where float32 costs 4: each chunk reads and writes less, and the planner gives the byte it saves to larger chunks
+(`fce_core.plan.fused_rows`). Each step rounds s to 16 significant bits (2**-16 relative error at most, 2**-15
+where lo is clipped), far below the final rounding, by integer adds and shifts alone (docs/NUMERICS.md, "dX and
+dW"). Twin: fce_jax/kernels/grad_gemms.py.
 """
 import torch
 import triton
@@ -71,7 +72,7 @@ def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr,
         s = acc
         if not FIRST:
             s = fm.pair_value(_c_load(c_ptr, r0, c0, s_cm, M, N, BM, BN, DESC),
-                              _c_load(lo_ptr, r0, c0, s_cm, M, N, BM, BN, DESC), ASM) + acc
+                              _c_load(lo_ptr, r0, c0, s_cm, M, N, BM, BN, DESC)) + acc
         hi, lo = fm.pair_split(s, C_DT, ASM)
         _c_store(c_ptr, plane, r0, c0, hi, s_cm, M, N, DESC, False)
         if MODE == 2:
