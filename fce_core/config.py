@@ -26,6 +26,7 @@ TANH_C7 = -0.05396825396825397
 # shifts, with no conversion between integers and floats. lo is clipped to +-PAIR_LO_MAX, short of hi's half
 # ulp (128 units), so that the value rounds back to hi: adding an exact zero leaves the pair as it is.
 PAIR_LO_BITS = 8
+PAIR_LO_HALF = (1 << PAIR_LO_BITS - 1) - 1  # half a unit of lo less one: with the unit's low bit, ties to even
 PAIR_LO_MAX = 127
 PAIR_LO_BYTES = 1
 

@@ -122,13 +122,14 @@ def probe(n, h, v):
     row["vblock_fce"] = _time(vblock_fce)
     row["vblock_fce_estimate"] = row["fce_loss_only"] + row["vblock_fce"]
 
-    from fce_core.plan import ADD, WRITE
+    from fce_core.plan import ADD, WRITE, cdiv
     from fce_torch.kernels.grad_gemms import _dw_config, _run
+    from fce_torch.kernels.logit_tiles import gemm_config
     from fce_torch.kernels.tile_dlogits import tile_dlogits
     ones = torch.ones(n, device="cuda")
     coef = dict(lse=ones * 30, a=ones / n, b=-ones / n, c=ones * 0)
     zy = torch.zeros(n, device="cuda")
-    n_tiles = -(-vb // 256)
+    tile_n = gemm_config().tile_n
 
     def stage(k):
         def body():
@@ -142,14 +143,14 @@ def probe(n, h, v):
                     _, parts = logit_tiles(x, w_b, None, y_safe, None, spec=StatsSpec(), transform=Transform(),
                                            precision="ieee", out=e)
                 if k in ("dz", "all"):
-                    m = parts["m"] if k == "all" else m_fixed[:, :-(-cols // 256)]
+                    m = parts["m"] if k == "all" else m_fixed[:, :cdiv(cols, tile_n)]
                     tile_dlogits(e, m, y_safe, zy, None, coef, transform=Transform())
                 if k in ("dw", "all"):
                     _run(e, True, x, dw[v0:v0 + cols], None, cols, h, n, WRITE, cfg=_dw_config(h))
                 if k in ("dx", "all"):
                     _run(e, False, w_b, dx, None, n, h, cols, ADD)
         return body
-    m_fixed = torch.zeros(n, n_tiles, device="cuda")
+    m_fixed = torch.zeros(n, cdiv(vb, tile_n), device="cuda")
     for k in ("tiles", "dz", "dw", "dx", "all"):
         row[f"vsweep_{k}"] = _time(stage(k))
     row["vsweep_estimate"] = row["fce_loss_only"] + row["vsweep_all"]

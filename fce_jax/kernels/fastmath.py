@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import (LN2, LOG2E, PAIR_LO_BITS, PAIR_LO_MAX, TANH_C3, TANH_C5,
+from fce_core.config import (LN2, LOG2E, PAIR_LO_BITS, PAIR_LO_HALF, PAIR_LO_MAX, TANH_C3, TANH_C5,
                              TANH_C7, TANH_POLY_BELOW)
 
 __all__ = ["LN2", "LOG2E", "ex2", "lg2", "mul", "div", "fma", "tanh", "pair_split", "pair_value"]
@@ -72,7 +72,7 @@ def pair_split(s, hi_dtype):
     clipped to +-PAIR_LO_MAX."""
     hi = s.astype(hi_dtype)
     d = _bits(s) - _bits(hi.astype(jnp.float32))
-    q = (d + ((1 << PAIR_LO_BITS - 1) - 1) + ((d >> PAIR_LO_BITS) & 1)) >> PAIR_LO_BITS
+    q = (d + PAIR_LO_HALF + ((d >> PAIR_LO_BITS) & 1)) >> PAIR_LO_BITS
     return hi, jnp.clip(q, -PAIR_LO_MAX, PAIR_LO_MAX).astype(jnp.int8)
 
 

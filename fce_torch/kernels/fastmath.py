@@ -20,7 +20,7 @@ _TANH_C3 = tl.constexpr(config.TANH_C3)
 _TANH_C5 = tl.constexpr(config.TANH_C5)
 _TANH_C7 = tl.constexpr(config.TANH_C7)
 _PAIR_LO_BITS = tl.constexpr(config.PAIR_LO_BITS)
-_PAIR_HALF = tl.constexpr((1 << config.PAIR_LO_BITS - 1) - 1)  # a half unit of lo, less one: ties to even
+_PAIR_LO_HALF = tl.constexpr(config.PAIR_LO_HALF)
 _PAIR_LO_MAX = tl.constexpr(config.PAIR_LO_MAX)
 
 
@@ -126,7 +126,7 @@ def pair_split(s, HI_DT: tl.constexpr, ASM: tl.constexpr):
     clipped to +-PAIR_LO_MAX."""
     hi = to_dtype(s, HI_DT, ASM)
     d = s.to(tl.int32, bitcast=True) - _widened_bits(hi)
-    q = (d + _PAIR_HALF + ((d >> _PAIR_LO_BITS) & 1)) >> _PAIR_LO_BITS
+    q = (d + _PAIR_LO_HALF + ((d >> _PAIR_LO_BITS) & 1)) >> _PAIR_LO_BITS
     return hi, tl.minimum(tl.maximum(q, -_PAIR_LO_MAX), _PAIR_LO_MAX).to(tl.int8)
 
 
