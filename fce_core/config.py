@@ -142,6 +142,16 @@ class BudgetConfig:
     # engine="fused" without gradients: a chunk's rows of x, which stay in L2 while every W tile streams past
     # them (H200 loss only, 16384x2048: 14.2 ms at 16 MiB, 18.7 at 58; bench/results/nvidia-h200/jax-known-length/)
     resident_x: int = 1 << 24
+    # engine="fused" where dZ is kept (every chunk's, or a CPO group's) and the budget's chunks would be fewer: a
+    # group cut into at most this many chunks, each the fewest whole row granules that do it (plan.kept_chunk).
+    # The tile values go into the kept rows, so a chunk only sets the logits GEMM's rows and how finely the
+    # chunks past the last valid row are left out; the bits do not depend on it. Each chunk more costs launches,
+    # a step of fce_jax's loop and a compiled branch of its kept GEMMs. H100, 4 chunks of 512 rows against 2 of
+    # 1024 at (2048, 4096, 128256): 17-18% faster with a quarter of the rows ignored, 1% (torch) and 5% (JAX)
+    # slower with none, JAX's first call 4.1-4.4 s against 2.8-2.9; 8 against 4 at 4096 rows gained 7-9% at a
+    # quarter ignored but lost 12% in JAX at half ignored and doubled its compile (bench/results/nvidia-h100/
+    # kept-chunk/), hence a count and not a fixed size
+    kept_chunks: int = 4
     row_multiple: int = 128
 
 

@@ -111,10 +111,11 @@ def fused_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grad
     With gradients and several chunks, dZ is kept (the tile values are then written into the kept rows, so
     no chunk buffer exists) when that costs no more than accumulating would: all rows' dZ against one chunk
     plus the float32 accumulator's excess over a dW in the weight's dtype,
-    N * itemsize <= H * (4 - itemsize) + rows * itemsize. Otherwise, with `dw_pair` (a bfloat16 weight, its dW
-    accumulated as a bfloat16 hi and an int8 lo: an excess of PAIR_LO_BYTES per element where float32's is 2),
-    the chunk takes the bytes the pair saves, V * H * (2 - PAIR_LO_BYTES) more for its tile values: the same
-    memory in fewer, larger chunks, so the accumulator is read and written fewer times.
+    N * itemsize <= H * (4 - itemsize) + rows * itemsize; its chunks are then about `budget.kept_chunks` where
+    the budget's would be fewer (`kept_chunk`). Otherwise, with `dw_pair` (a bfloat16 weight, its dW accumulated as a
+    bfloat16 hi and an int8 lo: an excess of PAIR_LO_BYTES per element where float32's is 2), the chunk takes
+    the bytes the pair saves, V * H * (2 - PAIR_LO_BYTES) more for its tile values: the same memory in fewer,
+    larger chunks, so the accumulator is read and written fewer times.
 
     Without gradients no tile values are stored: the budget holds a chunk's per-tile statistics instead
     (STATS_BYTES per row and logits tile of GEMM.tile_n columns), and the chunk's rows of x fit
@@ -127,10 +128,24 @@ def fused_rows(n_rows: int, hidden: int, vocab: int, itemsize: int, *, need_grad
                                            itemsize)), False)
     rows = chunk_rows(n_rows, vocab, requested, budget.tiles, budget.row_multiple, itemsize)
     keep = rows < n_rows and n_rows <= fused_kept_rows(hidden, itemsize, rows)
-    if dw_pair and not keep and rows < n_rows and requested is None:
+    if keep:
+        rows = kept_chunk(n_rows, rows, requested, budget)
+    elif dw_pair and rows < n_rows and requested is None:
         rows = chunk_rows(n_rows, vocab, None, budget.tiles + vocab * hidden * (2 - PAIR_LO_BYTES),
                           budget.row_multiple, itemsize)
     return Plan(n_rows, rows, keep)
+
+
+def kept_chunk(group_rows: int, rows: int, requested: int | None, budget: BudgetConfig = BUDGET) -> int:
+    """The fused engine's chunk of a group of `group_rows` rows whose dZ is kept: `rows` or, where that makes
+    fewer than `budget.kept_chunks` chunks, the fewest whole row granules that cut the group into at most that
+    many (unless a size was requested). The tile values are written into the kept rows, so a smaller chunk costs
+    no memory, and it leaves out more of the group's ignored rows: the chunks past the last valid row do not
+    run, and the kept dZ's GEMMs take only the rows of those that ran. A row's results do not depend on its
+    chunk, so neither do the bits."""
+    if requested is not None:
+        return rows
+    return min(rows, cdiv(cdiv(group_rows, budget.kept_chunks), budget.row_multiple) * budget.row_multiple)
 
 
 def plan_pairs(n_pairs: int, seq_len: int, hidden: int, vocab: int, itemsize: int, *, need_grads: bool,
@@ -138,10 +153,11 @@ def plan_pairs(n_pairs: int, seq_len: int, hidden: int, vocab: int, itemsize: in
     """The plan of a preference loss over 2 * n_pairs sequences of seq_len rows. Its dZ is always kept when
     gradients are asked (a pair's coefficients need all its rows): in one group when the row plan keeps it
     (or without gradients), else in groups of whole pairs, with chunks over each group (of the grouped float32
-    logits budget; for the fused engine, whose tile values go into the kept rows, of its tiles budget) and dW
-    accumulated over the groups. A group holds at most one chunk's rows, or on the fused engine as many rows
-    as `fused_rows` keeps in one group (`fused_kept_rows`): more chunks per group, so that its valid-first
-    order leaves out more of the prompts' ignored rows, and fewer accumulations of dW."""
+    logits budget; for the fused engine, whose tile values go into the kept rows, of its tiles budget, or about
+    `budget.kept_chunks` where that makes fewer: `kept_chunk`) and dW accumulated over the groups. A group holds
+    at most one chunk's rows, or on the fused engine as many rows as `fused_rows` keeps in one group
+    (`fused_kept_rows`): more chunks per group, so that its valid-first order leaves out more of the prompts'
+    ignored rows, and fewer accumulations of dW."""
     n_rows = 2 * n_pairs * seq_len
     base = plan_rows(n_rows, hidden, vocab, itemsize, need_grads=need_grads, requested=requested, budget=budget,
                      engine=engine)
@@ -151,7 +167,8 @@ def plan_pairs(n_pairs: int, seq_len: int, hidden: int, vocab: int, itemsize: in
     per_group = pairs_per_group(n_pairs, seq_len, cap)
     group_rows = 2 * per_group * seq_len
     if engine == "fused":
-        rows = chunk_rows(group_rows, vocab, requested, budget.tiles, budget.row_multiple, itemsize)
+        rows = kept_chunk(group_rows, chunk_rows(group_rows, vocab, requested, budget.tiles, budget.row_multiple,
+                                                 itemsize), requested, budget)
     else:
         rows = chunk_rows(group_rows, vocab, requested, budget.grouped_logits, budget.row_multiple)
     return Plan(n_rows, rows, True, None if per_group >= n_pairs else group_rows)

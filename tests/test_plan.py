@@ -175,6 +175,31 @@ def test_fused_rows_pair_real_shapes():
         plan_rows(4096, 4096, 128256, 2, need_grads=True, engine="fused")  # dZ kept: one dW GEMM
 
 
+@pytest.mark.parametrize("n,h", list(itertools.product([129, 1000, 1100, 2048, 3000, 4096, 5120, 5121], [640, 4096])))
+def test_fused_kept_dz_takes_at_least_kept_chunks(n, h):
+    """Where the fused plan keeps dZ, its chunks are the tiles budget's or, where that makes fewer than
+    BUDGET.kept_chunks (4), the fewest whole row granules that cut the rows into at most 4: the chunks past the
+    last valid row are left out more finely at no memory cost (CPO at one pair, 2048 rows, a quarter of them
+    ignored: 3 of 4 chunks run where 2 of 2 did). The keep decision itself is the budget chunk's; a requested
+    size wins."""
+    v = 128256
+    p = plan_rows(n, h, v, 2, need_grads=True, engine="fused", dw_pair=True)
+    budget_rows = _expected_default_rows(n, v, BUDGET.tiles, logit_bytes=2)
+    assert p.keep_dz == (budget_rows < n and n * 2 <= h * 2 + budget_rows * 2)
+    if not p.keep_dz:
+        return
+    assert p.rows % BUDGET.row_multiple == 0 and p.rows <= budget_rows
+    if p.rows < budget_rows:
+        assert layout(n, p.rows)[1] <= BUDGET.kept_chunks < layout(n, p.rows - BUDGET.row_multiple)[1]
+    else:
+        assert layout(n, p.rows)[1] >= BUDGET.kept_chunks
+    assert plan_rows(n, h, v, 2, need_grads=True, engine="fused", requested=budget_rows).rows == budget_rows
+    assert {s: plan_rows(*s, 2, need_grads=True, engine="fused").rows for s in (
+        (1100, 4096, v), (2048, 4096, v), (4096, 4096, v), (5120, 4096, v))} == {
+        (1100, 4096, v): 384, (2048, 4096, v): 512, (4096, 4096, v): 1024, (5120, 4096, v): 1024}
+    assert plan_pairs(1, 1024, 4096, v, 2, need_grads=True, engine="fused").rows == 512
+
+
 def test_fused_rows_without_gradients_hold_statistics():
     """Without gradients the fused chunk stores no tile values: its budget holds the [rows, tiles] statistics
     (STATS_BYTES per row and 256-column tile), and its rows of x fit `resident_x` (16 MiB); the bench's shapes
@@ -237,7 +262,10 @@ def test_plan_pairs_fused_rule(n_pairs, seq_len, h, itemsize, requested):
     per_group = min(n_pairs, max(1, cap // (2 * seq_len)))
     group_rows = 2 * per_group * seq_len
     assert p.group_rows == (None if per_group == n_pairs else group_rows) and p.keep_dz
-    assert p.rows == chunk_rows(group_rows, v, requested, BUDGET.tiles, logit_bytes=itemsize)
+    rows = chunk_rows(group_rows, v, requested, BUDGET.tiles, logit_bytes=itemsize)
+    if requested is None:     # at least BUDGET.kept_chunks chunks of whole granules where the rows allow
+        rows = min(rows, -(-group_rows // (BUDGET.kept_chunks * BUDGET.row_multiple)) * BUDGET.row_multiple)
+    assert p.rows == rows
     assert p.puts_valid_first == (layout(group_rows, p.rows)[1] > 1)
 
 
@@ -577,6 +605,25 @@ def test_fused_kept_grads_run_over_the_chunks_that_ran(monkeypatch):
         assert (c[k] is None) == (d[k] is None), k
         if c[k] is not None:
             assert np.array_equal(JAX.bits(c[k]), JAX.bits(d[k])), k
+
+
+def test_fused_kept_chunk_size_leaves_the_bits():
+    """With dZ kept the chunk only sets the logits GEMM's rows and which chunks run (`plan.kept_chunk` picks it
+    for speed): chunks of 8 rows (2 of 8 run) and of 24 (a 16-row first chunk and 2 full ones; 1 runs) give the
+    same bits of every output in each twin (the GPU parity cases hold the twins to each other's bits)."""
+    from twins import JAX
+
+    case = Case("kept_chunk_bits", (64,), 64, 300, "bfloat16", bias=True, z_loss=1e-3, label_smoothing=0.1,
+                seed=47)
+    inp = _skip_inputs(case)
+    assert all(plan_rows(64, 64, 300, 2, need_grads=True, requested=r, engine="fused").keep_dz for r in (8, 24))
+    runs = {(twin.name, rows): twin.run(inp, case.options(), chunk_rows=rows, engine="fused", fresh=True)
+            for twin in (TORCH, JAX) for rows in (8, 24)}
+    for twin in (TORCH, JAX):
+        for k, v in runs[twin.name, 8].items():
+            w = runs[twin.name, 24][k]
+            assert (v is None) == (w is None), (twin.name, k)
+            assert v is None or np.array_equal(twin.bits(v), twin.bits(w)), (twin.name, k)
 
 
 def test_validate_does_not_change_bits_logprobs_and_cpo():
