@@ -176,12 +176,11 @@ def test_fused_rows_pair_real_shapes():
 
 
 @pytest.mark.parametrize("n,h", list(itertools.product([129, 1000, 1100, 2048, 3000, 4096, 5120, 5121], [640, 4096])))
-def test_fused_kept_dz_takes_at_least_kept_chunks(n, h):
+def test_fused_kept_dz_chunk_rule(n, h):
     """Where the fused plan keeps dZ, its chunks are the tiles budget's or, where that makes fewer than
     BUDGET.kept_chunks (4), the fewest whole row granules that cut the rows into at most 4: the chunks past the
-    last valid row are left out more finely at no memory cost (CPO at one pair, 2048 rows, a quarter of them
-    ignored: 3 of 4 chunks run where 2 of 2 did). The keep decision itself is the budget chunk's; a requested
-    size wins."""
+    last valid row are left out more finely at no memory cost. The keep decision itself is the budget chunk's;
+    a requested size wins."""
     v = 128256
     p = plan_rows(n, h, v, 2, need_grads=True, engine="fused", dw_pair=True)
     budget_rows = _expected_default_rows(n, v, BUDGET.tiles, logit_bytes=2)
@@ -194,6 +193,12 @@ def test_fused_kept_dz_takes_at_least_kept_chunks(n, h):
     else:
         assert layout(n, p.rows)[1] >= BUDGET.kept_chunks
     assert plan_rows(n, h, v, 2, need_grads=True, engine="fused", requested=budget_rows).rows == budget_rows
+
+
+def test_fused_kept_dz_chunks_real_shapes():
+    """The kept chunks at H = 4096, V = 128256: 2048 rows in 4 chunks of 512 (CPO at one pair, a quarter of its
+    rows ignored: 3 of 4 chunks run where 2 of 2 did), 4096 rows and more in the budget's 1024."""
+    v = 128256
     assert {s: plan_rows(*s, 2, need_grads=True, engine="fused").rows for s in (
         (1100, 4096, v), (2048, 4096, v), (4096, 4096, v), (5120, 4096, v))} == {
         (1100, 4096, v): 384, (2048, 4096, v): 512, (4096, 4096, v): 1024, (5120, 4096, v): 1024}
@@ -263,7 +268,7 @@ def test_plan_pairs_fused_rule(n_pairs, seq_len, h, itemsize, requested):
     group_rows = 2 * per_group * seq_len
     assert p.group_rows == (None if per_group == n_pairs else group_rows) and p.keep_dz
     rows = chunk_rows(group_rows, v, requested, BUDGET.tiles, logit_bytes=itemsize)
-    if requested is None:     # at least BUDGET.kept_chunks chunks of whole granules where the rows allow
+    if requested is None:     # at most BUDGET.kept_chunks chunks of whole granules where the budget's are fewer
         rows = min(rows, -(-group_rows // (BUDGET.kept_chunks * BUDGET.row_multiple)) * BUDGET.row_multiple)
     assert p.rows == rows
     assert p.puts_valid_first == (layout(group_rows, p.rows)[1] > 1)
