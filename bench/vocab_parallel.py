@@ -18,7 +18,7 @@ from pathlib import Path
 from bench import report
 from bench.common import Settings, meta, run_cell
 from bench.timing import Measurement
-from parity.ranks import jax_process, torch_ranks
+from parity.ranks import jax_child, jax_process, torch_ranks
 
 INPUT_SETS = 2
 COLUMNS = [report.Column("N", "N"), report.Column("H", "H"), report.Column("V", "V"), report.Column("impl", "impl"),
@@ -104,4 +104,4 @@ def run(settings, shapes, size: int, progress) -> dict:
 
 
 if __name__ == "__main__":
-    jax_main(*map(int, sys.argv[1:5]), sys.argv[5], int(sys.argv[6]), int(sys.argv[7]))
+    jax_child(jax_main, *map(int, sys.argv[1:5]), sys.argv[5], int(sys.argv[6]), int(sys.argv[7]))

@@ -21,7 +21,7 @@ from .cases import Case, LogprobCase, case_inputs, torch_dtype
 from .environment import precision_for
 from .impls import ImplResult, set_runs
 from .measures import dtype_name
-from .ranks import jax_process, torch_ranks
+from .ranks import jax_child, jax_process, torch_ranks
 
 # Outputs replicated on every shard (the first shard's is taken) or split over V (concatenated in rank order).
 WHOLE = ("loss", "logp", "entropy", "dx")
@@ -234,4 +234,4 @@ def run(size: int, device: str, patterns: list[str], out_dir: Path, log=print) -
 
 
 if __name__ == "__main__":
-    jax_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    jax_child(jax_main, sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
