@@ -95,6 +95,8 @@ def check_arrays(x: ArrayDesc | None, weight: ArrayDesc | None, targets: ArrayDe
         raise ValueError(f"weight must be [V, H] with H = x.shape[-1]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
     vocab, hidden = weight.shape
+    if vocab < 1 or hidden < 1:
+        raise ValueError(f"weight must have at least one row and one column (V, H >= 1), got {tuple(weight.shape)}")
     if targets is None or targets.kind != "int":
         raise ValueError(f"targets must be an integer {array}, got {_name(targets)}")
     if tuple(targets.shape) != tuple(x.shape[:-1]):

@@ -8,8 +8,9 @@ from fce_core import docs
 from fce_core.contract import check_engine, check_normalizer, check_options
 from fce_core.docs import doc
 from fce_core.options import FlceOptions
+from fce_core.sweeps import z_stat
 
-from . import sharding
+from . import arrays, sharding
 from .autodiff import precomputed, recompute
 from .checks import check_tensors, check_values, check_vocab_shard
 from .flce import rows_backward, rows_forward, run_precomputed
@@ -43,7 +44,7 @@ def match_axes(x, y, *params):
 def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                  z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
                  token_scaling=False, chunk_rows=None, engine="library"):
-    """Checks, then (loss, z stat, lse, correct, amax) over the flattened rows, differentiable in x, weight
+    """Checks, then (loss, z rows, lse, correct, amax) over the flattened rows, differentiable in x, weight
     and bias."""
     check_options(reduction, label_smoothing, z_loss, softcap)
     hidden, vocab = check_tensors(x, weight, targets, bias, class_weights)
@@ -97,11 +98,12 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
     return (loss, out_stats) if return_stats else loss
 
 
-def _results(targets, ignore_index, reduction, loss, zstat, lse, correct, amax, n_valid=None, row_axis=None):
+def _results(targets, ignore_index, reduction, loss, zrow, lse, correct, amax, n_valid=None, row_axis=None):
     """(loss, stats) of `fused_lce` in the leading shape of the targets, the stats without gradient; with a
     row axis (data-parallel shards), the sums over the axis and the global count `n_valid`."""
     lead = tuple(targets.shape)
     valid = jnp.reshape(targets, (-1,)) != ignore_index
+    zstat = z_stat(arrays, zrow, reduction)
     if reduction == "none":
         loss, zstat, accuracy = loss.reshape(lead), zstat.reshape(lead), correct.reshape(lead)
     else:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fce_core.rows import safe_targets, target_logits, tile_weights
+from fce_core.rows import target_logits, tile_weights
 from fce_core.rows import valid_first as valid_first_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 from fce_core.heads import LOAD_COEF, forms_dz_on_load
@@ -121,7 +121,7 @@ class _Sweep:
         local = y if comm is None else comm.local_targets(y)
         need = any(self.grads)
         row0 = r0 if self.keep else 0
-        e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, local, vocab), self.class_weights,
+        e, parts = logit_tiles(x_c, self.w, self.bias, local, self.class_weights,
                                spec=self.head.stats, transform=self.transform, precision=gemm.pallas_precision(x_c),
                                store=need, row0=row0, row0_multiple=r0_multiple,
                                **(_kept(acc) if self.keep else {}))

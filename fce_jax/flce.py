@@ -30,17 +30,17 @@ def flce_sweep(x, w, y, bias, class_weights, opt, *, grads=(False, False, False)
 
 
 def run_precomputed(static, x, w, bias, y, class_weights, normalizer, *, grads):
-    """`autodiff.precomputed`'s run for "mean"/"sum": (loss, (z stat, lse, correct, amax), dx, dw, db).
+    """`autodiff.precomputed`'s run for "mean"/"sum": (loss, (z rows, lse, correct, amax), dx, dw, db).
     `static` = (FlceOptions, VocabParallel or None)."""
     opt, vp = static
     rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=grads, normalizer=normalizer,
                                   comm=comm_for(vp, w.shape[0]))
-    loss, zstat = totals(arrays, rows, opt.reduction)
-    return loss, (zstat, rows["lse"], rows["correct"], rows["amax"]), dx, dw, db
+    loss, zrow = totals(arrays, rows, opt.reduction)
+    return loss, (zrow, rows["lse"], rows["correct"], rows["amax"]), dx, dw, db
 
 
 def rows_forward(static, x, w, bias, y, class_weights, normalizer):
-    """`autodiff.recompute`'s forward: (loss, z stat, lse, correct, amax)."""
+    """`autodiff.recompute`'s forward: (loss, z rows, lse, correct, amax)."""
     opt, vp = static
     rows, *_ = flce_sweep(x, w, y, bias, class_weights, opt, normalizer=normalizer, comm=comm_for(vp, w.shape[0]))
     return (*totals(arrays, rows, opt.reduction), rows["lse"], rows["correct"], rows["amax"])

@@ -5,7 +5,9 @@ import torch
 from fce_core import docs
 from fce_core.contract import check_engine, check_normalizer, check_options
 from fce_core.docs import doc
+from fce_core.sweeps import z_stat
 
+from . import arrays
 from .checks import check_tensors
 from .flce import flce, flce_rows
 from .sums import pairwise_sum
@@ -46,7 +48,7 @@ def requires_grad(*tensors):
 def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                  z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
                  token_scaling=False, validate=True, chunk_rows=None, engine="library", lse_grad=False):
-    """Checks, then (loss, z stat, lse, correct, amax) over the flattened rows, differentiable in x, weight
+    """Checks, then (loss, z rows, lse, correct, amax) over the flattened rows, differentiable in x, weight
     and bias (and through lse when `lse_grad`). Shared by `fused_lce` and the drop-ins."""
     check_options(reduction, label_smoothing, z_loss, softcap)
     weight, bias, class_weights, vp_group, vp_offsets = resolve(weight, bias, class_weights, vocab_parallel)
@@ -86,24 +88,25 @@ def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="me
               z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
               token_scaling=False, return_stats=False, validate=True, chunk_rows=None, engine="library"):
     lead = tuple(targets.shape) if isinstance(targets, torch.Tensor) else ()
-    loss, zstat, lse, correct, amax = flce_outputs(
+    loss, zrow, lse, correct, amax = flce_outputs(
         x, weight, targets, bias=bias, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, class_weights=class_weights,
         normalizer=normalizer, vocab_parallel=vocab_parallel, token_scaling=token_scaling, validate=validate,
         chunk_rows=chunk_rows, engine=engine)
     if reduction == "none":
-        loss, zstat = loss.view(lead), zstat.view(lead)
+        loss = loss.view(lead)
     if not return_stats:
         return loss
-    return loss, stats(targets, ignore_index, reduction, zstat, lse, correct, amax)
+    return loss, stats(targets, ignore_index, reduction, zrow, lse, correct, amax)
 
 
-def stats(targets, ignore_index, reduction, zstat, lse, correct, amax):
-    """The stats dict of `fused_lce` (leading shape of the targets)."""
+def stats(targets, ignore_index, reduction, zrow, lse, correct, amax):
+    """The stats dict of `fused_lce` (leading shape of the targets), from the flattened rows' outputs."""
     lead = tuple(targets.shape)
     valid = targets.reshape(-1) != ignore_index
+    zstat = z_stat(arrays, zrow, reduction)
     if reduction == "none":
-        accuracy = correct.view(lead)
+        zstat, accuracy = zstat.view(lead), correct.view(lead)
     else:
         n_valid = valid.sum().to(F32)
         accuracy = torch.where(n_valid > 0, pairwise_sum(correct) / n_valid.clamp(min=1.0), 0.0)

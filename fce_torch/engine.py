@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fce_core.rows import safe_targets, target_logits, tile_weights
+from fce_core.rows import target_logits, tile_weights
 from fce_core.rows import valid_first_in_groups as valid_first_in_groups_of
 from fce_core.heads import Head  # noqa: F401  (re-exported: the heads build it)
 from fce_core.heads import LOAD_COEF, forms_dz_on_load
@@ -296,7 +296,7 @@ class _FusedChunkRunner(_ChunkRunner):
     def __call__(self, x_c, inputs, add, dz_rows):
         y, vocab, comm = inputs["y"], self.w.shape[0], self.comm
         local = y if comm is None else comm.local_targets(y)
-        e, parts = logit_tiles(x_c, self.w, self.bias, safe_targets(arrays, local, vocab), self.cw,
+        e, parts = logit_tiles(x_c, self.w, self.bias, local, self.cw,
                                spec=self.head.stats, transform=self.transform, precision=gemm.triton_precision(x_c),
                                out=dz_rows, store=self.need_grads)
         zy = None if comm is None else comm.owner_values(parts["zy"].amax(dim=1), y, vocab)

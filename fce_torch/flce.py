@@ -19,7 +19,7 @@ from .vocab_parallel import comm_for
 
 F32 = torch.float32
 Tensor = torch.Tensor
-Rows = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # loss, z stat, lse, correct, amax
+Rows = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # loss, z rows, lse, correct, amax
 RowsAndGrads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # ..., dx, dw, db
 
 
@@ -53,8 +53,7 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_sc
 def _row_outputs(x, reduction):
     n = x.shape[0]
     loss = x.new_empty((n,) if reduction == "none" else (), dtype=F32)
-    return (loss, torch.empty_like(loss), x.new_empty((n,), dtype=F32), x.new_empty((n,), dtype=F32),
-            x.new_empty((n,), dtype=torch.int32))
+    return (loss, *(x.new_empty((n,), dtype=F32) for _ in range(3)), x.new_empty((n,), dtype=torch.int32))
 
 
 def _flce_body(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
@@ -62,7 +61,7 @@ def _flce_body(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y
                reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float], token_scaling: bool,
                chunk_rows: Optional[int], engine: str, validate: bool, vp_group: Optional[str], vp_offsets: list[int],
                needs: list[bool]) -> RowsAndGrads:
-    """(loss, z stat, lse, correct, amax, dx, dw, db): a "mean"/"sum" loss with its gradients (`needs`)
+    """(loss, z rows, lse, correct, amax, dx, dw, db): a "mean"/"sum" loss with its gradients (`needs`)
     computed in the forward, or any loss without gradients. `vp_group`/`vp_offsets`: the process group's name
     and the shards' column boundaries of a vocab-parallel call (None / [] otherwise)."""
     return _flce(x, w, bias, y, class_weights, normalizer,
@@ -80,9 +79,9 @@ def _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm, needs):
         check = ValueCheck(y, vocab, opt.ignore_index, class_weights) if validate else None
         rows, dx, dw, db = flce_sweep(x, w, y, bias, class_weights, opt, grads=tuple(needs), normalizer=normalizer,
                                       check=check, comm=comm)
-        loss, zstat = totals(arrays, rows, opt.reduction)
+        loss, zrow = totals(arrays, rows, opt.reduction)
         dw = kept_weight_grad(dw, w.dtype)
-    return (loss, zstat, rows["lse"], rows["correct"], rows["amax"],
+    return (loss, zrow, rows["lse"], rows["correct"], rows["amax"],
             *(absent(x) if t is None else t for t in (dx, dw, db)))
 
 
@@ -105,7 +104,7 @@ def _flce_rows_body(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
                     reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
                     token_scaling: bool, chunk_rows: Optional[int], engine: str, validate: bool,
                     vp_group: Optional[str], vp_offsets: list[int], lse_grad: bool) -> Rows:
-    """(loss, z stat, lse, correct, amax) of a loss whose backward recomputes: "none", or any reduction with
+    """(loss, z rows, lse, correct, amax) of a loss whose backward recomputes: "none", or any reduction with
     a differentiable lse (`lse_grad`)."""
     opt = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, token_scaling, chunk_rows, engine)
     return _flce(x, w, bias, y, class_weights, normalizer, opt, validate, comm_for(vp_group, vp_offsets, w, validate),

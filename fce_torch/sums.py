@@ -22,8 +22,12 @@ from .kernels import fastmath as fm
 
 def traced(t):
     """Whether `t` is being traced (torch.compile's Dynamo, or AOTAutograd's fake / functional tensors), so
-    no kernel may run on it: only torch ops, or opaque custom ops."""
-    return torch.compiler.is_compiling() or is_fake(t)
+    no kernel may run on it: only torch ops, or opaque custom ops. Fake and functional tensors are subclasses,
+    so a plain tensor or parameter skips `is_fake`'s walk (microseconds a call, paid per launch at small N)."""
+    return torch.compiler.is_compiling() or (type(t) not in _PLAIN and is_fake(t))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a parameter made of a fake tensor is a FakeTensor itself
 
 
 @triton.jit

@@ -381,6 +381,8 @@ def _set(name, index, value):
 BAD_INPUTS = {  # id: (changes to the good arguments, argument the message must name)
     "weight_H_mismatch": (lambda a: {"weight": torch.randn(13, 9)}, "weight"),
     "weight_not_2d": (lambda a: {"weight": torch.randn(13, 8, 1)}, "weight"),
+    "weight_no_rows": (lambda a: {"weight": torch.randn(0, 8)}, "weight"),
+    "weight_no_columns": (lambda a: {"x": torch.randn(6, 0), "weight": torch.randn(13, 0)}, "weight"),
     "targets_shape": (lambda a: {"targets": a["targets"][:5]}, "targets"),
     "targets_shape_3d": (lambda a: {"x": a["x"].reshape(2, 3, 8), "targets": a["targets"]}, "targets"),
     "bias_shape": (lambda a: {"bias": torch.randn(12)}, "bias"),

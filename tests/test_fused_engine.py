@@ -217,7 +217,7 @@ class TorchTiles:
     def arr(t):
         return t
 
-    def forward(self, x, w, bias, y_safe, cw, spec, tr, n_extra):
+    def forward(self, x, w, bias, y, cw, spec, tr, n_extra):
         """(e [n, V] in a buffer of n_extra more columns filled with 3.0, that buffer, partials, stats, the
         partials of store=False)."""
         from fce_torch import arrays, gemm
@@ -227,9 +227,9 @@ class TorchTiles:
         n, v = x.shape[0], w.shape[0]
         buf = torch.full((n, v + n_extra), 3.0, dtype=x.dtype)
         kw = dict(spec=spec, transform=tr, precision=gemm.triton_precision(x))
-        e, parts = logit_tiles(x, w, bias, y_safe, cw, out=buf[:, :v], **kw)
+        e, parts = logit_tiles(x, w, bias, y, cw, out=buf[:, :v], **kw)
         assert e.data_ptr() == buf.data_ptr()
-        none, parts_no_store = logit_tiles(x, w, bias, y_safe, cw, store=False, **kw)
+        none, parts_no_store = logit_tiles(x, w, bias, y, cw, store=False, **kw)
         assert none is None
         tw = None if cw is None else tile_weights(arrays, cw, TILE_N)
         return e.clone(), buf.clone(), parts, merge_tiles(parts, v, tw), parts_no_store
@@ -254,7 +254,7 @@ class JaxTiles:
     def arr(t):
         return None if t is None else to_jax(t)
 
-    def forward(self, x, w, bias, y_safe, cw, spec, tr, n_extra):
+    def forward(self, x, w, bias, y, cw, spec, tr, n_extra):
         import jax.numpy as jnp
 
         from fce_jax import arrays, gemm
@@ -263,16 +263,16 @@ class JaxTiles:
         assert gemm_config().tile_n == TILE_N
         n, v = x.shape[0], w.shape[0]
 
-        def f(x, w, bias, y_safe, cw, into):
+        def f(x, w, bias, y, cw, into):
             kw = dict(spec=spec, transform=tr, precision=gemm.pallas_precision(x))
-            e, parts = logit_tiles(x, w, bias, y_safe, cw, into=into, row0=self.ROW0, **kw)
-            none, parts_no_store = logit_tiles(x, w, bias, y_safe, cw, store=False, **kw)
+            e, parts = logit_tiles(x, w, bias, y, cw, into=into, row0=self.ROW0, **kw)
+            none, parts_no_store = logit_tiles(x, w, bias, y, cw, store=False, **kw)
             assert none is None
             tw = None if cw is None else tile_weights(arrays, cw, TILE_N)
             return e, parts, merge_tiles(parts, v, tw), parts_no_store
 
         into = jnp.full((n + n_extra, v), 3.0, x.dtype)
-        buf, parts, stats, parts_no_store = quick_jit(f)(x, w, bias, y_safe, cw, into)
+        buf, parts, stats, parts_no_store = quick_jit(f)(x, w, bias, y, cw, into)
         return buf[self.ROW0:self.ROW0 + n], buf, parts, stats, parts_no_store
 
     def dlogits(self, buf, v, m_tiles, y, zy, cw, coef, tr):
@@ -345,7 +345,7 @@ def _reference_tiles(inp, softcap, temperature):
     m_t = padded.view(n, n_tiles, TILE_N).max(dim=2).values
     m_col = m_t.repeat_interleave(TILE_N, dim=1)[:, :v]
     m = z.max(dim=1).values
-    y_safe = torch.where(inp["y"] >= 0, inp["y"], 0)
+    y_safe = torch.where((inp["y"] >= 0) & (inp["y"] < v), inp["y"], 0)
     zy = z.gather(1, y_safe[:, None])[:, 0]
     w_c = torch.ones(v, dtype=F64) if inp["cw"] is None else inp["cw"].double()
     p_m = torch.exp(z - m[:, None])
@@ -381,16 +381,19 @@ def test_logit_tiles_and_merge(k, name):
     """The [n, T] partials (T = ceil(V / 32)), the tile maxima (exact without a softcap), the stored
     e = exp(z - m_t) in the input dtype (1 exactly at each tile's max, else within its rounding), nothing
     written outside the given rows and columns, store=False giving the same partials, and the merged
-    m, zy, first argmax (exactly), s, q, pz against float64."""
+    m, zy, first argmax (exactly), s, q, pz against float64. The targets go in as the engine gives them: an
+    ignored row's and one past V read column 0."""
     dtype, inp, planted, spec, tr = _tile_case(name)
     n, v = inp["x"].shape[0], inp["w"].shape[0]
+    if n > 4:
+        inp["y"][4] = v + 3
     n_tiles = -(-v // TILE_N)
     ref = _reference_tiles(inp, tr.softcap, tr.temperature)
     dz_err = _logit_error(ref, tr.softcap, tr.temperature)
     delta = dz_err.max(dim=1).values                                      # per row
     y_safe = ref["y_safe"]
     e, buf, parts, stats, parts_ns = k.forward(k.arr(inp["x"]), k.arr(inp["w"]), k.arr(inp["bias"]),
-                                               k.arr(y_safe.to(torch.int32)), k.arr(inp["cw"]), spec, tr, 5)
+                                               k.arr(inp["y"].to(torch.int32)), k.arr(inp["cw"]), spec, tr, 5)
 
     want = {"m", "s", "amax", "zy"} | ({"q"} if spec.q else set()) | ({"pz"} if spec.pz else set())
     assert set(parts) == want and set(parts_ns) == want and set(stats) == want
@@ -444,6 +447,38 @@ def test_logit_tiles_and_merge(k, name):
     if spec.pz:
         bound_pz = (ref["p_m"] * ((2 ** -18 + 4 * dz_err + 4 * delta[:, None]) * (far + 1))).sum(1)
         _assert_within(got["pz"], ref["pz"], bound_pz, "pz")
+
+
+@each_kernel_twin
+@pytest.mark.parametrize("n_tiles", [1, 3, 16, 17, 33, 64, 150])
+def test_merge_sums_by_the_pairwise_tree(k, n_tiles):
+    """`merge_tiles`' s, q and pz are the twin's `pairwise_sum` of the tiles' units, bit for bit, whatever the
+    count of tiles against the merge's block of tiles (fce_torch sums in its merge kernel, block by block; the
+    interpreter's block is 16 tiles). Every tile max equals the row max and zy, so each unit is its partial
+    exactly; the partials have both signs and span 2^-8..2^8 (sums whose rounding depends on the order; s is
+    not a sum of exponentials here: the merge does not care)."""
+    g = torch.Generator().manual_seed(700 + n_tiles)
+    n = 5
+    m_t = torch.full((n, n_tiles), 1.5)
+    parts = {key: torch.randn(n, n_tiles, generator=g) * torch.exp2(torch.randint(-8, 9, (n, n_tiles),
+                                                                                 generator=g).float())
+             for key in ("s", "q", "pz")}
+    parts.update(m=m_t, zy=m_t.clone(), amax=torch.zeros(n, n_tiles, dtype=torch.int32))
+    vocab = n_tiles * TILE_N
+    if k.name == "torch":
+        from fce_torch.kernels.logit_tiles import merge_tiles
+        from fce_torch.sums import pairwise_sum
+        stats = merge_tiles(parts, vocab)
+        want = {key: pairwise_sum(parts[key]) for key in ("s", "q", "pz")}
+    else:
+        from fce_jax.kernels.logit_tiles import merge_tiles
+        from fce_jax.sums import pairwise_sum
+        jparts = {key: to_jax(v) for key, v in parts.items()}
+        stats = merge_tiles(jparts, vocab)
+        want = {key: pairwise_sum(jparts[key]) for key in ("s", "q", "pz")}
+    for key, sums in want.items():
+        got, ref = np.asarray(as_float64(stats[key])), np.asarray(as_float64(sums))
+        assert np.array_equal(got.view(np.uint64), ref.view(np.uint64)), (key, got, ref)
 
 
 LAUNCHES = [dict(tma=t, persistent=p) for t in (False, True) for p in (False, True)] + [

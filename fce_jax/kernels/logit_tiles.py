@@ -9,6 +9,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from fce_core.config import GEMM, GEMM_INTERPRETER, TILE_ROWS
+from fce_core.rows import safe_targets
+
+from .. import arrays
 
 from . import fastmath as fm
 from .fastmath import LOG2E
@@ -125,15 +128,17 @@ def gemm_config(cfg=None):
     return cfg or (GEMM_INTERPRETER if interpret_mode() else GEMM)
 
 
-def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision, into=None, row0=0,
+def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, into=None, row0=0,
                 out_rows=None, store=True, cfg=None, row0_multiple=1):
-    """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y_safe` [n]: the targets, 0 where
-    outside [0, V). Returns (the exp-scaled tile values: rows [row0, row0 + n) of `into`, updated, or of a new
-    [out_rows, V] array in x's dtype (default: the n rows alone; its other rows undefined), None without
-    `store`; the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V / tile_n) tiles). With
-    `cfg.mosaic` the Mosaic GPU kernel (same bits) runs where `logit_tiles_mgpu.supports` says it applies
-    (`row0_multiple`: what a traced row0 is known to be a multiple of)."""
+    """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y` [n]: the targets, read as 0 where
+    outside [0, V) (`fce_core.rows.safe_targets`: here an XLA op before the kernel, in fce_torch in its kernel,
+    where torch's ops would cost the host). Returns (the exp-scaled tile values: rows [row0, row0 + n) of
+    `into`, updated, or of a new [out_rows, V] array in x's dtype (default: the n rows alone; its other rows
+    undefined), None without `store`; the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V /
+    tile_n) tiles). With `cfg.mosaic` the Mosaic GPU kernel (same bits) runs where `logit_tiles_mgpu.supports`
+    says it applies (`row0_multiple`: what a traced row0 is known to be a multiple of)."""
     cfg = gemm_config(cfg)
+    y_safe = safe_targets(arrays, y, w.shape[0])
     if cfg.mosaic and supports(x, w, bias, class_weights, transform, cfg, into=into, out_rows=out_rows, row0=row0,
                                row0_multiple=row0_multiple):
         return mosaic_logit_tiles(x, w, y_safe, has_q=spec.q, has_pz=spec.pz, store=store, cfg=cfg, bias=bias,

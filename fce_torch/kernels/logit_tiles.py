@@ -72,6 +72,7 @@ def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
             z = tl.where(col_ok[None, :], z, float("-inf"))
         m_t = tl.max(z, axis=1)
         y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+        y = tl.where((y >= 0) & (y < V), y, 0)  # `fce_core.rows.safe_targets` here: no torch ops on the host
         part = rows64 * n_tiles + t
         tl.store(m_ptr + part, m_t, mask=row_ok)
         # z's own reductions before e exists: z and e live together only where the head needs z - m_t
@@ -142,12 +143,24 @@ def _row_max_nan(v):
 
 
 @triton.jit
-def _merge_tiles_kernel(m_ptr, s_ptr, q_ptr, pz_ptr, amax_ptr, zyt_ptr, wt_ptr, big_ptr, zy_ptr, arg_ptr, us_ptr,
-                        uq_ptr, upz_ptr, n_rows, n_tiles, V, ZY_TILES: tl.constexpr, HAS_Q: tl.constexpr,
+def _block_sum(sums, units, ok, block, BR: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
+               NB: tl.constexpr, ASM: tl.constexpr):
+    """sums [BR, NB] with column `block` set to the tree sum of the block's units [BR, BT] (+0 where not ok)."""
+    total = row_sum(tl.where(ok, units, 0.0), BR, BT, LOG2_BT, ASM)
+    return tl.where(tl.arange(0, NB)[None, :] == block, total[:, None], sums)
+
+
+@triton.jit
+def _merge_tiles_kernel(m_ptr, s_ptr, q_ptr, pz_ptr, amax_ptr, zyt_ptr, wt_ptr, big_ptr, zy_ptr, arg_ptr, ss_ptr,
+                        sq_ptr, spz_ptr, n_rows, n_tiles, V, ZY_TILES: tl.constexpr, HAS_Q: tl.constexpr,
                         HAS_PZ: tl.constexpr, HAS_CW: tl.constexpr, TILE_N: tl.constexpr, BR: tl.constexpr,
-                        BT: tl.constexpr, ASM: tl.constexpr):
-    # A program takes BR rows through all their tiles twice: their max (and z_y's, ZY_TILES), then the units
-    # and the first tile holding the max. One launch instead of eight torch ops around a per-tile kernel.
+                        BT: tl.constexpr, LOG2_BT: tl.constexpr, NB: tl.constexpr, LOG2_NB: tl.constexpr,
+                        ASM: tl.constexpr):
+    # A program takes BR rows through all their tiles twice: their max (and z_y's, ZY_TILES), then the units,
+    # their sums and the first tile holding the max. One launch instead of eight torch ops around a per-tile
+    # kernel and a pairwise_sum launch per unit. The sums are `pairwise_sum`'s tree over the T tiles: the tree
+    # of each aligned block of BT (a power of two, at most T's), then the tree of the NB block sums, which
+    # start as the padding's +0.
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows
     base = rows.to(tl.int64)[:, None] * n_tiles
@@ -168,26 +181,37 @@ def _merge_tiles_kernel(m_ptr, s_ptr, q_ptr, pz_ptr, amax_ptr, zyt_ptr, wt_ptr, 
     else:
         zy = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
     first_l = tl.full([BR, BT], n_tiles, tl.int32)
+    sums_s = tl.zeros([BR, NB], tl.float32)
+    sums_q = tl.zeros([BR, NB], tl.float32)
+    sums_pz = tl.zeros([BR, NB], tl.float32)
     for t0 in range(0, n_tiles, BT):
         tiles = t0 + tl.arange(0, BT)
         ok = row_ok[:, None] & (tiles < n_tiles)[None, :]
         at = base + tiles[None, :]
+        block = t0 // BT
         m_t = tl.load(m_ptr + at, mask=ok, other=0.0)
         s_t = tl.load(s_ptr + at, mask=ok, other=0.0)
         first_l = tl.minimum(first_l, tl.where(ok & (m_t == big[:, None]), tiles[None, :], n_tiles))
         shift = m_t - big[:, None]
         f = fm.ex2(shift * LOG2E, ASM)
-        tl.store(us_ptr + at, fm.mul(s_t, f, ASM), mask=ok)
+        sums_s = _block_sum(sums_s, fm.mul(s_t, f, ASM), ok, block, BR, BT, LOG2_BT, NB, ASM)
         if HAS_PZ:
             pz_t = tl.load(pz_ptr + at, mask=ok, other=0.0)
-            tl.store(upz_ptr + at, fm.mul(fm.fma(shift, s_t, pz_t, ASM), f, ASM), mask=ok)
+            sums_pz = _block_sum(sums_pz, fm.mul(fm.fma(shift, s_t, pz_t, ASM), f, ASM), ok, block, BR, BT,
+                                 LOG2_BT, NB, ASM)
         if HAS_Q:
             if HAS_CW:
                 w_t = tl.load(wt_ptr + tiles, mask=tiles < n_tiles, other=0.0)
             else:  # the tile's column count
                 w_t = tl.minimum(V - tiles * TILE_N, TILE_N).to(tl.float32)
-            tl.store(uq_ptr + at, fm.fma(m_t - zy[:, None], w_t[None, :], tl.load(q_ptr + at, mask=ok, other=0.0),
-                                         ASM), mask=ok)
+            sums_q = _block_sum(sums_q, fm.fma(m_t - zy[:, None], w_t[None, :],
+                                               tl.load(q_ptr + at, mask=ok, other=0.0), ASM), ok, block, BR, BT,
+                                LOG2_BT, NB, ASM)
+    tl.store(ss_ptr + rows, row_sum(sums_s, BR, NB, LOG2_NB, ASM), mask=row_ok)
+    if HAS_Q:
+        tl.store(sq_ptr + rows, row_sum(sums_q, BR, NB, LOG2_NB, ASM), mask=row_ok)
+    if HAS_PZ:
+        tl.store(spz_ptr + rows, row_sum(sums_pz, BR, NB, LOG2_NB, ASM), mask=row_ok)
     first = tl.min(first_l, axis=1)
     first = tl.where(first < n_tiles, first, 0)  # no tile equals a NaN max: the first, as argmax of none
     tl.store(big_ptr + rows, big, mask=row_ok)
@@ -200,12 +224,11 @@ def gemm_config(cfg=None):
     return cfg or (GEMM if fm.ASM else GEMM_INTERPRETER)
 
 
-def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision, out=None, store=True,
-                cfg=None):
-    """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y_safe` [n]: the targets, 0 where
-    outside [0, V). Writes the exp-scaled tile values into `out` (or a new [n, V] array in x's dtype; neither
-    without `store`) and returns (that array or None, the [n, T] partials {m, s, amax, zy[, q][, pz]} of the
-    T = ceil(V / tile_n) tiles)."""
+def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, out=None, store=True, cfg=None):
+    """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y` [n]: the targets, read as 0 where
+    outside [0, V) (`fce_core.rows.safe_targets`, in the kernel: torch's ops would cost the host). Writes the
+    exp-scaled tile values into `out` (or a new [n, V] array in x's dtype; neither without `store`) and returns
+    (that array or None, the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V / tile_n) tiles)."""
     cfg = gemm_config(cfg)
     n, hidden = x.shape
     V = w.shape[0]
@@ -219,7 +242,7 @@ def logit_tiles(x, w, bias, y_safe, class_weights, *, spec, transform, precision
     (xa, wa), tma = descriptors([(x, (cfg.tile_m, cfg.tile_k)), (w, (cfg.tile_n, cfg.tile_k))], cfg)
     (ea,), e_desc = descriptors([(e, (cfg.tile_m, cfg.tile_n // 2))], cfg) if e is not None else ([x], False)
     _logit_tiles_kernel[(programs(cdiv(n, cfg.tile_m) * n_tiles, cfg, x.device),)](
-        xa, wa, bias if bias is not None else x, y_safe, class_weights if class_weights is not None else m,
+        xa, wa, bias if bias is not None else x, y, class_weights if class_weights is not None else m,
         ea, 0 if e is None else e.stride(0), m, parts["s"], parts["amax"], parts["zy"],
         parts.get("q", m), parts.get("pz", m), n, V, hidden, n_tiles, float(transform.softcap or 1.0),
         float(transform.temperature), HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None,
@@ -236,24 +259,25 @@ def merge_tiles(parts, vocab, tile_weights=None, cfg=None, zy=None):
     """The rows' statistics {m, s, zy, amax[, q][, pz]} ([n] each, as `row_stats` + `pairwise_sum` give them)
     from the [n, T] partials of `logit_tiles`: the max over tiles; the first tile holding it gives the argmax;
     s (and pz) rescaled to the row max and q shifted to z_y by the tile's class weight sum (`tile_weights`
-    [T], `fce_core.rows.tile_weights`; without class weights its column count), then `pairwise_sum` over the
-    tiles. `zy`: the rows' target logits where another shard may hold them (vocab-parallel: the owner's),
-    else the max of the tiles' (the one tile holding the target)."""
+    [T], `fce_core.rows.tile_weights`; without class weights its column count), then summed over the tiles by
+    `pairwise_sum`'s tree, in the same launch. `zy`: the rows' target logits where another shard may hold them
+    (vocab-parallel: the owner's), else the max of the tiles' (the one tile holding the target)."""
     tile_n = gemm_config(cfg).tile_n
     m_t = parts["m"]
     n, n_tiles = m_t.shape
     stats = {"m": m_t.new_empty(n), "zy": m_t.new_empty(n) if zy is None else zy,
-             "amax": parts["amax"].new_empty(n)}
-    units = {k: torch.empty_like(m_t) for k in ("s", "q", "pz") if k in parts}
+             "amax": parts["amax"].new_empty(n), **{k: m_t.new_empty(n) for k in ("s", "q", "pz") if k in parts}}
     # The interpreter pays per program: 64 rows a program there, and 16 tiles a block, so that the CPU tests
     # loop over blocks.
     rows, block = (TILE_ROWS.block, 128) if fm.ASM else (64, 16)
+    block = min(block, 1 << (n_tiles - 1).bit_length())
+    n_blocks = 1 << (cdiv(n_tiles, block) - 1).bit_length()
     if n:
         _merge_tiles_kernel[(cdiv(n, rows),)](
             m_t, parts["s"], parts.get("q", m_t), parts.get("pz", m_t), parts["amax"], parts["zy"],
-            tile_weights if tile_weights is not None else m_t, stats["m"], stats["zy"], stats["amax"], units["s"],
-            units.get("q", m_t), units.get("pz", m_t), n, n_tiles, vocab, ZY_TILES=zy is None, HAS_Q="q" in parts,
-            HAS_PZ="pz" in parts, HAS_CW=tile_weights is not None, TILE_N=tile_n, BR=rows, BT=block, ASM=fm.ASM,
+            tile_weights if tile_weights is not None else m_t, stats["m"], stats["zy"], stats["amax"], stats["s"],
+            stats.get("q", m_t), stats.get("pz", m_t), n, n_tiles, vocab, ZY_TILES=zy is None, HAS_Q="q" in parts,
+            HAS_PZ="pz" in parts, HAS_CW=tile_weights is not None, TILE_N=tile_n, BR=rows, BT=block,
+            LOG2_BT=block.bit_length() - 1, NB=n_blocks, LOG2_NB=n_blocks.bit_length() - 1, ASM=fm.ASM,
             num_warps=TILE_ROWS.num_warps)
-    stats.update({k: pairwise_sum(v) for k, v in units.items()})
     return stats
