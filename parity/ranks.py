@@ -67,10 +67,11 @@ def _leave_together(out_dir, rank, size, timeout_s=60.0):
 
 
 def jax_child(main, *args) -> None:
-    """The body of a `jax_process` module run as ``__main__``: ``main(*args)``, then exit without the
-    libraries' teardown. Its results are written (files, stdout) by then; the JAX process of the parity tool
-    aborted once in CI ("terminate called without an active exception", as the gloo ranks did at teardown) and
-    did not in three runs alone, so where it aborted is not known: faulthandler shows it if it happens again."""
+    """The body of a JAX child process run as ``__main__`` (a `jax_process` module, tests/dist_jax.py):
+    ``main(*args)``, then exit without the libraries' teardown. Its results are written (files, stdout) by
+    then; the JAX process of the parity tool aborted once in CI ("terminate called without an active
+    exception", as the gloo ranks did at teardown) and did not in seven runs alone, so where it aborted is not
+    known: faulthandler shows it if it happens again."""
     import faulthandler
 
     faulthandler.enable()

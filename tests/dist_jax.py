@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fce_jax  # noqa: E402
+from parity.ranks import jax_child  # noqa: E402
 from parity.reference import cpo_reference, flce_reference, logprobs_reference, rel_err  # noqa: E402
 from hlo import large_collectives  # noqa: E402
 
@@ -143,10 +144,14 @@ def missing_vocab_parallel_case():
     return False
 
 
-if __name__ == "__main__":
+def main():
     result = {"shard_map_2": shard_map_case(2), "shard_map_4": shard_map_case(4),
               "shard_map_fused_2": shard_map_case(2, engine="fused"),
               "jit_model": jit_case((4,), ("model",), P()),
               "jit_data_model": jit_case((2, 4), ("data", "model"), P("data")),
               "data_parallel": data_parallel_case(), "missing_vocab_parallel_refused": missing_vocab_parallel_case()}
     print(json.dumps(result))
+
+
+if __name__ == "__main__":  # the exit of the tools' JAX children: no teardown once the result is printed
+    jax_child(main)
