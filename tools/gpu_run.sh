@@ -11,8 +11,10 @@
 #   parity    python -m parity          op, logprobs, cpo, sft, profile: python -m bench <job>
 #   kernels   python tools/fused_kernels.py, the fused GEMMs one by one (KERNELS_ARGS="--grads 4096,4096,128256")
 #   mosaic    python tools/mosaic_probe.py, the Mosaic GPU logits GEMM's variants, each in a process under a limit
+#   host      python tools/host_path.py --cuda, fce_torch's host time per fused fwd+bwd with and without its
+#             launches (HOST_ARGS: shapes N,H,V; 256,4096,128256 by default)
 # Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, LOGPROBS_ARGS, CPO_ARGS, SFT_ARGS, KERNELS_ARGS,
-# MOSAIC_ARGS;
+# MOSAIC_ARGS, HOST_ARGS;
 # JOB_TIMEOUT (seconds, default 1800) bounds each job, <JOB>_TIMEOUT (e.g. PARITY_TIMEOUT) one of them.
 set -u
 out=${OUT:-out}
@@ -35,6 +37,7 @@ for job in "$@"; do
     kernels)  timeout "$limit" python tools/fused_kernels.py "$results/$job" ${KERNELS_ARGS:-} 2>&1 |
                 tee "$results/$job/log.txt" ;;
     mosaic)   timeout "$limit" python tools/mosaic_probe.py "$results/$job" ${MOSAIC_ARGS:-} ;;
+    host)     timeout "$limit" python tools/host_path.py --cuda ${HOST_ARGS:-} 2>&1 | tee "$results/$job/host.txt" ;;
     op)       timeout "$limit" python -m bench op --out "$results/$job" ${OP_ARGS:-} ;;
     logprobs) timeout "$limit" python -m bench logprobs --out "$results/$job" ${LOGPROBS_ARGS:-} ;;
     cpo)      timeout "$limit" python -m bench cpo --out "$results/$job" ${CPO_ARGS:-} ;;
