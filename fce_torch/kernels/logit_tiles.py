@@ -19,7 +19,7 @@ from . import fastmath as fm
 from .fastmath import LOG2E
 from .row_stats import logit_transform
 from .tma import ELEMENT_TYPES, column_halves, descriptors, programs, stages
-from ..sums import pairwise_sum, row_sum
+from ..sums import row_sum
 
 F32 = torch.float32
 
