@@ -37,12 +37,15 @@ def lower_for_cuda():
 
 
 def sites(text):
-    """{kind: Counter(kernel key -> sites)} of a lowered module's custom calls, a kernel keyed by its call's
-    attributes (its serialized kernel among them) without source locations."""
+    """{kind: Counter(kernel key -> sites)} of a lowered module's custom calls: a Mosaic GPU kernel keyed by its
+    `kernel_hash` (the hash of its module), any other by its call's attributes (its serialized kernel among
+    them) without source locations."""
     out = collections.defaultdict(collections.Counter)
     for call in re.finditer(r"custom_call @([\w$.]+)\((.*)", text):
-        attributes = re.sub(r"loc\([^)]*\)", "", call.group(2).split(" : (")[0])
-        out[KINDS.get(call.group(1), call.group(1))][hashlib.md5(attributes.encode()).hexdigest()] += 1
+        attributes = call.group(2).split(" : (")[0]
+        kernel_hash = re.search(r'kernel_hash = "((?:[^"\\]|\\.)*)"', attributes)
+        key = kernel_hash.group(1) if kernel_hash else re.sub(r"loc\([^)]*\)", "", attributes)
+        out[KINDS.get(call.group(1), call.group(1))][hashlib.md5(key.encode()).hexdigest()] += 1
     return out
 
 
