@@ -41,7 +41,7 @@ def sites(text):
     `kernel_hash` (the hash of its module), any other by its call's attributes (its serialized kernel among
     them) without source locations."""
     out = collections.defaultdict(collections.Counter)
-    for call in re.finditer(r"custom_call @([\w$.]+)\((.*)", text):
+    for call in re.finditer(r"custom_call @([\w$.]+)\([^)]*\) (.*)", text):  # past the operands
         attributes = call.group(2).split(" : (")[0]
         kernel_hash = re.search(r'kernel_hash = "((?:[^"\\]|\\.)*)"', attributes)
         key = kernel_hash.group(1) if kernel_hash else re.sub(r"loc\([^)]*\)", "", attributes)
