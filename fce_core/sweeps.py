@@ -40,13 +40,11 @@ def logprob_setup(xp, kernel, x_shape, itemsize, w_rows, y, opt, *, entropy, nee
 
 
 def totals(xp, rows, reduction):
-    """(loss, z rows) from the per-row values: the loss by a fixed-order sum for "mean"/"sum", the rows for
-    "none"; the z-loss statistic's rows stay rows (`z_stat` sums them where the stats are asked for, so a call
-    without stats runs no sum for them)."""
-    return (rows["loss"] if reduction == "none" else xp.pairwise_sum(rows["loss"])), rows["zrow"]
+    """(loss, z rows) from the per-row values: the loss `reduced`; the z-loss statistic's rows stay rows (the
+    APIs reduce them where the stats are asked for, so a call without stats runs no sum for them)."""
+    return reduced(xp, rows["loss"], reduction), rows["zrow"]
 
 
-def z_stat(xp, zrow, reduction):
-    """The z-loss statistic from its rows (`totals`): their fixed-order sum for "mean"/"sum", the rows for
-    "none"."""
-    return zrow if reduction == "none" else xp.pairwise_sum(zrow)
+def reduced(xp, rows, reduction):
+    """Per-row values reduced: their fixed-order sum for "mean"/"sum", the rows for "none"."""
+    return rows if reduction == "none" else xp.pairwise_sum(rows)

@@ -8,7 +8,7 @@ from fce_core import docs
 from fce_core.contract import check_engine, check_normalizer, check_options
 from fce_core.docs import doc
 from fce_core.options import FlceOptions
-from fce_core.sweeps import z_stat
+from fce_core.sweeps import reduced
 
 from . import arrays, sharding
 from .autodiff import precomputed, recompute
@@ -103,7 +103,7 @@ def _results(targets, ignore_index, reduction, loss, zrow, lse, correct, amax, n
     row axis (data-parallel shards), the sums over the axis and the global count `n_valid`."""
     lead = tuple(targets.shape)
     valid = jnp.reshape(targets, (-1,)) != ignore_index
-    zstat = z_stat(arrays, zrow, reduction)
+    zstat = reduced(arrays, zrow, reduction)
     if reduction == "none":
         loss, zstat, accuracy = loss.reshape(lead), zstat.reshape(lead), correct.reshape(lead)
     else:

@@ -5,7 +5,7 @@ import torch
 from fce_core import docs
 from fce_core.contract import check_engine, check_normalizer, check_options
 from fce_core.docs import doc
-from fce_core.sweeps import z_stat
+from fce_core.sweeps import reduced
 
 from . import arrays
 from .checks import check_tensors
@@ -104,7 +104,7 @@ def stats(targets, ignore_index, reduction, zrow, lse, correct, amax):
     """The stats dict of `fused_lce` (leading shape of the targets), from the flattened rows' outputs."""
     lead = tuple(targets.shape)
     valid = targets.reshape(-1) != ignore_index
-    zstat = z_stat(arrays, zrow, reduction)
+    zstat = reduced(arrays, zrow, reduction)
     if reduction == "none":
         zstat, accuracy = zstat.view(lead), correct.view(lead)
     else:
