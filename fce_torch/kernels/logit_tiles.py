@@ -270,8 +270,8 @@ def merge_tiles(parts, vocab, tile_weights=None, cfg=None, zy=None):
     # The interpreter pays per program: 64 rows a program there, and 16 tiles a block, so that the CPU tests
     # loop over blocks.
     rows, block = (TILE_ROWS.block, 128) if fm.ASM else (64, 16)
-    block = min(block, 1 << (n_tiles - 1).bit_length())
-    n_blocks = 1 << (cdiv(n_tiles, block) - 1).bit_length()
+    block = min(block, triton.next_power_of_2(n_tiles))
+    n_blocks = triton.next_power_of_2(cdiv(n_tiles, block))
     if n:
         _merge_tiles_kernel[(cdiv(n, rows),)](
             m_t, parts["s"], parts.get("q", m_t), parts.get("pz", m_t), parts["amax"], parts["zy"],
