@@ -67,31 +67,52 @@ def _logit_tiles_kernel(x_ref, w_ref, bias_ref, y_ref, cw_ref, row0_ref, *refs, 
     partial = c0 + bn > vocab
     z = lax.cond(partial, lambda: jnp.where(col_ok[None, :], z, -jnp.inf), lambda: z)
     m_t = jnp.max(z, axis=1)
-    e = fm.ex2((z - m_t[:, None]) * LOG2E, asm)
     y = pltriton.load(y_ref.at[rs], mask=row_ok, other=-1)
 
     def put(ref, v):
         pltriton.store(ref.at[rs, pl.ds(t, 1)], v[:, None], mask=row_ok[:, None])
 
     put(m_ref, m_t)
-    put(s_ref, row_sum(e))
+    # z's own reductions before e exists: z and e live together only where the head needs z - m_t
     put(arg_ref, jnp.min(jnp.where(z == m_t[:, None], cols[None, :], I32_MAX), axis=1))
     put(zy_ref, lax.cond(jnp.max(((y >= c0) & (y < c0 + bn)).astype(jnp.int32)) > 0,
                          lambda: jnp.max(jnp.where(cols[None, :] == y[:, None], z, -jnp.inf), axis=1),
                          lambda: jnp.full((bm,), -jnp.inf, F32)))
-    if has_q or has_pz:
-        d = z - m_t[:, None]
-        d = lax.cond(partial, lambda: jnp.where(col_ok[None, :], d, 0.0), lambda: d)
-        if has_q:
-            d_w = d
-            if has_cw:
-                d_w = fm.mul(pltriton.load(cw_ref.at[cs], mask=col_ok, other=0.0)[None, :], d, asm)
-            put(extra[0], row_sum(d_w))
-        if has_pz:
-            put(extra[-1], row_sum(fm.mul(e, d, asm)))
+    # e and the sums a half tile at a time, as fce_torch's epilogue (the registers of z, e and z - m_t of the
+    # whole tile beside each other); each sum's last pair is the halves' trees
+    halves = [_half_sums(z_h, m_t, c0 + i * (bn // 2), partial, e_ref, cw_ref, row0_ref[0] + r0, row_ok,
+                         vocab=vocab, has_cw=has_cw, has_q=has_q, has_pz=has_pz, store=store, asm=asm)
+              for i, z_h in enumerate(jnp.split(z, 2, axis=1))]
+    (s_l, q_l, pz_l), (s_r, q_r, pz_r) = halves
+    put(s_ref, s_l + s_r)
+    if has_q:
+        put(extra[0], q_l + q_r)
+    if has_pz:
+        put(extra[-1], pz_l + pz_r)
+
+
+def _half_sums(z, m_t, c0, partial, e_ref, cw_ref, e_row0, row_ok, *, vocab, has_cw, has_q, has_pz, store, asm):
+    """s, q and pz (None where not asked for) of the columns c0 .. c0 + W of a tile, given their z (-inf past V)
+    and the tile's maxima, and its e stored from row e_row0: the kernel's arithmetic on part of the columns."""
+    w = z.shape[1]
+    cs = pl.ds(c0, w)
+    col_ok = c0 + lax.iota(jnp.int32, w) < vocab
+    d = z - m_t[:, None]
+    e = fm.ex2(d * LOG2E, asm)
+    s = row_sum(e)
     if store:
-        pltriton.store(e_ref.at[pl.ds(row0_ref[0] + r0, bm), cs], e.astype(e_ref.dtype),
+        pltriton.store(e_ref.at[pl.ds(e_row0, z.shape[0]), cs], e.astype(e_ref.dtype),
                        mask=row_ok[:, None] & col_ok[None, :])
+    d = lax.cond(partial, lambda: jnp.where(col_ok[None, :], d, 0.0), lambda: d)
+    q = pz = None
+    if has_q:
+        d_w = d
+        if has_cw:
+            d_w = fm.mul(pltriton.load(cw_ref.at[cs], mask=col_ok, other=0.0)[None, :], d, asm)
+        q = row_sum(d_w)
+    if has_pz:
+        pz = row_sum(fm.mul(e, d, asm))
+    return s, q, pz
 
 
 def _merge_tiles_kernel(m_ref, s_ref, q_ref, pz_ref, wt_ref, big_ref, zy_ref, *out_refs, n_rows, n_tiles, vocab,
