@@ -78,8 +78,8 @@ def _logit_tiles_kernel(x_ref, w_ref, bias_ref, y_ref, cw_ref, row0_ref, *refs, 
     put(zy_ref, lax.cond(jnp.max(((y >= c0) & (y < c0 + bn)).astype(jnp.int32)) > 0,
                          lambda: jnp.max(jnp.where(cols[None, :] == y[:, None], z, -jnp.inf), axis=1),
                          lambda: jnp.full((bm,), -jnp.inf, F32)))
-    # e and the sums a half tile at a time, as fce_torch's epilogue (the registers of z, e and z - m_t of the
-    # whole tile beside each other); each sum's last pair is the halves' trees
+    # e and the sums a half tile at a time, as in fce_torch's epilogue: z, e and z - m_t of the whole tile at once
+    # cost 8.49 ms against 6.16 at (8192, 640, 262144) on the H100. Each sum's last pair is the halves' trees.
     halves = [_half_sums(z_h, m_t, c0 + i * (bn // 2), partial, e_ref, cw_ref, row0_ref[0] + r0, row_ok,
                          vocab=vocab, has_cw=has_cw, has_q=has_q, has_pz=has_pz, store=store, asm=asm)
               for i, z_h in enumerate(jnp.split(z, 2, axis=1))]
