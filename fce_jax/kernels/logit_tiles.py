@@ -103,8 +103,9 @@ def _half_sums(z, m_t, c0, partial, e_ref, cw_ref, e_row0, row_ok, *, vocab, has
     if store:
         pltriton.store(e_ref.at[pl.ds(e_row0, z.shape[0]), cs], e.astype(e_ref.dtype),
                        mask=row_ok[:, None] & col_ok[None, :])
-    d = lax.cond(partial, lambda: jnp.where(col_ok[None, :], d, 0.0), lambda: d)
     q = pz = None
+    if has_q or has_pz:
+        d = lax.cond(partial, lambda: jnp.where(col_ok[None, :], d, 0.0), lambda: d)
     if has_q:
         d_w = d
         if has_cw:
