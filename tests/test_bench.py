@@ -300,3 +300,22 @@ def test_launch_options(monkeypatch):
     with_launches({"mosaic": True}, {"pingpong": True})
     assert all(getattr(m, n).pingpong for m in (torch_grads, jax_grads) for n in names[m])
     assert torch_logits.GEMM.mosaic and jax_logits.GEMM.mosaic
+
+
+def test_design_floor_counts_the_layouts_bytes():
+    """tools/design_floor.py: no pair traffic where one GEMM writes dW (one chunk, or dZ kept); with c chunks the
+    pair is written once, read and rewritten c - 2 times, read once more as hi is written: 6 (c - 1) bytes per
+    weight element beyond dW written once; the dZ pass reads and writes every tile value."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import design_floor
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    one = design_floor.excess_bytes(256, 4096, 128256)
+    kept = design_floor.excess_bytes(4096, 4096, 128256)
+    assert (one["chunks"], one["dw_pair"]) == (1, 0) and kept["plan"].keep_dz and kept["dw_pair"] == 0
+    for n, h, v in ((16384, 2048, 128256), (8192, 640, 262144), (3000, 896, 151936)):
+        b = design_floor.excess_bytes(n, h, v)
+        assert b["chunks"] > 1 and not b["plan"].keep_dz
+        assert b["dw_pair"] == 6 * (b["chunks"] - 1) * v * h, (n, h, v, b)
+        assert b["dz_pass"] == 4 * n * v
