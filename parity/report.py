@@ -200,6 +200,9 @@ def format_summary(results: dict, files: list[str] | None = None) -> str:
     for impl, why in s.get("missing", {}).items():
         for kind, w in why.items():
             lines.append(f"{'BROKEN' if w.startswith('ERROR') else 'missing'}: {impl} {kind}: {w}")
+    if s.get("pending"):
+        lines.append(f"UNFINISHED: {s['cases']} of {s['cases'] + len(s['pending'])} case(s) ran when this report was "
+                     f"written; not run: {', '.join(s['pending'])}")
     if s["nothing_ran"]:
         lines.append("NOTHING RAN: no implementation produced a result (see the errors above).")
     if s["violations"]:

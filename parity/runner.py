@@ -86,9 +86,11 @@ def run_case(case, device: str, impls: dict[str, Impl], *, explain: bool = False
     return entry
 
 
-def _results(entries: list[dict], env: dict, impls: dict[str, Impl], kinds: set, seconds: float) -> dict:
+def _results(entries: list[dict], env: dict, impls: dict[str, Impl], kinds: set, seconds: float,
+             pending: list[str]) -> dict:
     summary = summarize(entries)
     summary["seconds"] = round(seconds, 2)
+    summary["pending"] = pending  # the cases not run yet: a report written mid-run says so
     summary["missing"] = {name: {k: w for k, w in impl.why.items() if w and k in kinds}
                           for name, impl in impls.items()}
     return {"environment": env, "cases": entries, "summary": summary, "exit_code": exit_code(summary)}
@@ -100,7 +102,8 @@ def run_suite(cases: list, device: str, *, impl_names=IMPLS, explain: bool = Fal
 
     ``progress``: an object with ``start(total)``, ``step(label)`` and ``done()`` (see
     :class:`parity.report.Progress`), or None. ``on_case``: called with the partial results after each case
-    (``python -m parity`` rewrites its files then, so a run cut short still leaves its finished cases).
+    (``python -m parity`` rewrites its files then, so a run cut short still leaves its finished cases; such a
+    report lists the cases not run in ``summary["pending"]`` and exits 1).
     """
     impls = load_impls(impl_names)
     kinds = {c.kind for c in cases}
@@ -109,11 +112,12 @@ def run_suite(cases: list, device: str, *, impl_names=IMPLS, explain: bool = Fal
     env = environment(device)
     entries = []
     t0 = time.perf_counter()
-    for case in cases:
+    for i, case in enumerate(cases):
         entries.append(run_case(case, device, impls, explain=explain,
                                 progress=progress.step if progress is not None else None))
         if on_case is not None:
-            on_case(_results(entries, env, impls, kinds, time.perf_counter() - t0))
+            pending = [c.name for c in cases[i + 1:]]
+            on_case(_results(entries, env, impls, kinds, time.perf_counter() - t0, pending))
     if progress is not None:
         progress.done()
-    return _results(entries, env, impls, kinds, time.perf_counter() - t0)
+    return _results(entries, env, impls, kinds, time.perf_counter() - t0, [])

@@ -9,7 +9,8 @@ What counts as a failure (exit code 1); everything else is reported only:
 * a twin that is missing (no module or function), raises ``NotImplementedError`` or raises anything else;
   the reference raising;
 * an implementation writing to its inputs;
-* a run in which no implementation produced a result at all.
+* a run in which no implementation produced a result at all;
+* a report written before every selected case ran (``summary["pending"]``: the run was stopped after it).
 
 Bitwise differences and run-to-run nondeterminism are reported, not failures (until the twins match).
 """
@@ -164,4 +165,4 @@ def summarize(entries: list[dict]) -> dict:
 
 def exit_code(summary: dict) -> int:
     """1 when anything in the module docstring's list of failures happened, else 0."""
-    return 1 if summary["violations"] or summary["nothing_ran"] else 0
+    return 1 if summary["violations"] or summary["nothing_ran"] or summary.get("pending") else 0
