@@ -213,7 +213,11 @@ GRAD_GEMM_INTERPRETER_TORCH = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_n=
 # Mosaic GPU's smallest wgmma tile has 64 rows per warpgroup.
 GRAD_GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_m=128, tile_n=32, tma=True,
                                                    persistent=True, mosaic=True)
-TILE_ROWS = BlockConfig(block=16)  # rows per program of the tiled dlogits and merge kernels (speed only)
+TILE_ROWS = BlockConfig(block=16)  # rows per program of the tiled dlogits kernels and fce_jax's merge (speed only)
+# Rows per program of fce_torch's merge of the logits GEMM's partials, each program through all its rows' tiles:
+# at 16 a 768-row chunk (H = 640) ran on 48 programs of 132 multiprocessors; at 4, 0.141 ms a step against 0.326
+# (H100, bench/results/nvidia-h100/merge-rows/). Rows are independent: speed only.
+MERGE_ROWS = BlockConfig(block=4)
 # fce_torch's host check of the values: one program over every target and class weight (speed only).
 VALUE_FLAGS = BlockConfig(block=4096, num_warps=8)
 BUDGET = BudgetConfig()

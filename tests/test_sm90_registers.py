@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fce_core.config import MERGE_ROWS
 from fce_torch.sums import row_sum
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
@@ -162,9 +163,9 @@ def _merge(zy_tiles, q, pz):
     sig = {name: "*fp32" for name in ("m_ptr", "s_ptr", "q_ptr", "pz_ptr", "amax_ptr", "zyt_ptr", "wt_ptr", "big_ptr",
                                       "zy_ptr", "arg_ptr", "ss_ptr", "sq_ptr", "spz_ptr")}
     sig.update(amax_ptr="*i32", arg_ptr="*i32", n_rows="i32", n_tiles="i32", V="i32")
-    consts = dict(ZY_TILES=zy_tiles, HAS_Q=q, HAS_PZ=pz, HAS_CW=False, TILE_N=256, BR=16, BT=128, LOG2_BT=7, NB=8,
-                  LOG2_NB=3, ASM=True)  # T = 1024 tiles: 8 blocks of 128
-    return _spilled(logit_tiles._merge_tiles_kernel, sig, consts, warps=4, aligned=list(sig)[:16])
+    consts = dict(ZY_TILES=zy_tiles, HAS_Q=q, HAS_PZ=pz, HAS_CW=False, TILE_N=256, BR=MERGE_ROWS.block, BT=128,
+                  LOG2_BT=7, NB=8, LOG2_NB=3, ASM=True)  # T = 1024 tiles: 8 blocks of 128
+    return _spilled(logit_tiles._merge_tiles_kernel, sig, consts, warps=MERGE_ROWS.num_warps, aligned=list(sig)[:16])
 
 
 def _in_compiler(kind, *args):

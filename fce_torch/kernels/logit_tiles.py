@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fce_core.config import GEMM, GEMM_INTERPRETER, TILE_ROWS
+from fce_core.config import GEMM, GEMM_INTERPRETER, MERGE_ROWS
 from fce_core.plan import cdiv
 
 from . import fastmath as fm
@@ -269,7 +269,7 @@ def merge_tiles(parts, vocab, tile_weights=None, cfg=None, zy=None):
              "amax": parts["amax"].new_empty(n), **{k: m_t.new_empty(n) for k in ("s", "q", "pz") if k in parts}}
     # The interpreter pays per program: 64 rows a program there, and 16 tiles a block, so that the CPU tests
     # loop over blocks.
-    rows, block = (TILE_ROWS.block, 128) if fm.ASM else (64, 16)
+    rows, block = (MERGE_ROWS.block, 128) if fm.ASM else (64, 16)
     block = min(block, triton.next_power_of_2(n_tiles))
     n_blocks = triton.next_power_of_2(cdiv(n_tiles, block))
     if n:
@@ -279,5 +279,5 @@ def merge_tiles(parts, vocab, tile_weights=None, cfg=None, zy=None):
             stats.get("q", m_t), stats.get("pz", m_t), n, n_tiles, vocab, ZY_TILES=zy is None, HAS_Q="q" in parts,
             HAS_PZ="pz" in parts, HAS_CW=tile_weights is not None, TILE_N=tile_n, BR=rows, BT=block,
             LOG2_BT=block.bit_length() - 1, NB=n_blocks, LOG2_NB=n_blocks.bit_length() - 1, ASM=fm.ASM,
-            num_warps=TILE_ROWS.num_warps)
+            num_warps=MERGE_ROWS.num_warps)
     return stats
