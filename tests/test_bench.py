@@ -319,3 +319,14 @@ def test_design_floor_counts_the_layouts_bytes():
         assert b["chunks"] > 1 and not b["plan"].keep_dz
         assert b["dw_pair"] == 6 * (b["chunks"] - 1) * v * h, (n, h, v, b)
         assert b["dz_pass"] == 4 * n * v
+
+
+def test_scaled_operand_probe_computes_its_gemms():
+    """tools/scaled_operand_probe.py's kernel, in the interpreter, against float64: dX- and dW-shaped, A scaled per
+    (row, V-tile) in registers or not, pointer or TMA loads, K sliced or not (shapes off the blocks)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import scaled_operand_probe
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    assert scaled_operand_probe.check()
