@@ -147,6 +147,8 @@ def check():
 
 
 def _ms(fn):
+    """The median of REPS calls queued back to back, each between CUDA events: the host's launches run ahead of
+    the device, so a call's time is its kernels' (tools/vblock_probe.py waits after each call instead)."""
     for _ in range(3):
         fn()
     times = []
