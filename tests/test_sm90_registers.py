@@ -183,19 +183,21 @@ def _in_compiler(kind, *args):
 def _gluon_dw(schedule, first):
     """(shared bytes, registers, spilled bytes) of tools/gluon_dw.py's accumulation kernel (or its first chunk's):
     plain or warp-specialized on 256x128x32 tiles in 5 stages, ping-pong on 128x128x64 in 3, with an epilogue
-    partition or the epilogue interleaved with the next tile's K loop on 128x256x32 in 4."""
+    partition or the epilogue interleaved with the next tile's K loop on 128x256x32 in 4, with dZ's scale formed
+    in a partition of its own on 256x128x32 in 3 (`tx`)."""
     import gluon_dw
-    tiles = {"pingpong": (128, 128, 64, 3), "ep": (128, 256, 32, 4), "il": (128, 256, 32, 4)}.get(schedule,
-                                                                                               (256, 128, 32, 5))
+    tiles = {"pingpong": (128, 128, 64, 3), "ep": (128, 256, 32, 4), "il": (128, 256, 32, 4),
+             "tx": (256, 128, 32, 3)}.get(schedule, (256, 128, 32, 5))
     compiled = gluon_dw._compile(*tiles, first=first, last=False, ws=schedule == "ws",
-                                 pingpong=schedule == "pingpong", ep=schedule == "ep", il=schedule == "il")
+                                 pingpong=schedule == "pingpong", ep=schedule == "ep", il=schedule == "il",
+                                 tx=schedule == "tx")
     regs, spill_stores, spill_loads = ptxas_usage(compiled.asm["ptx"])
     return compiled.metadata.shared, regs, spill_stores + spill_loads
 
 
 @pytest.mark.parametrize("schedule, first", [("plain", False), ("ws", False), ("ws", True), ("pingpong", False),
                                              ("pingpong", True), ("ep", False), ("ep", True), ("il", False),
-                                             ("il", True)])
+                                             ("il", True), ("tx", False), ("tx", True)])
 def test_gluon_dw_prototype_compiles_without_spills(schedule, first):
     """The Gluon prototype of the (hi, lo) accumulation (a development tool, bench/results/nvidia-h100/dw-epilogue/)
     compiles for sm_90a with this Triton, within the block's shared memory and without spilling."""

@@ -14,17 +14,20 @@ protocol is described above the kernel; tools/ws_protocol_sim.py checks it on ra
 one's epilogue runs under the other's wgmma (the protocol above it; the simulator checks it too).
 `_dw_pair_ep_kernel` (dw_pair(ep=True)) hands each tile's float32 accumulator through shared memory to an
 epilogue partition of 2 warps; `_dw_pair_il_kernel` (dw_pair(il=True)) runs each tile's epilogue a row block at a
-time between the next tile's wgmma issues, in the compute warps themselves.
+time between the next tile's wgmma issues, in the compute warps themselves. `_dw_pair_tx_kernel`
+(dw_pair(tx_scale=s)) forms dZ = e ⊙ s from tile values e in a partition of 4 warps between the loader and the
+wgmma: dZ's scale off the MMA warps' path (tools/scaled_operand_probe.py).
 
 A development tool, not used by fce: it measures whether C's prefetch, a loader warp and these schedules make
 the (hi, lo) accumulation faster than fce_torch's Triton kernel, bit for bit the same. Every schedule gave
 fce_torch's bits on the H100; none beat its accumulation by more than 6% (bench/results/nvidia-h100/dw-epilogue/).
 
-    python tools/gluon_dw.py [--short|--ep] [OUT.json]   # GPU: bit checks and timings (gpu_main); no GPU: compile_check
+    python tools/gluon_dw.py [--short|--ep|--tx] [OUT.json]  # GPU: bits and times; no GPU: compile_check
     --short: the ping-pong and warp-specialized launches and the best plain one (SHORT_VARIANTS), with first-chunk
              timings
     --ep: the interleaved-epilogue and epilogue-partition launches (IL_VARIANTS, EP_VARIANTS) and the
           best warp-specialized ones, with first-chunk timings
+    --tx: dW written by the tx kernel against the warp-specialized kernel over a formed dZ (tx_main)
 """
 import json
 import os
@@ -302,7 +305,9 @@ def _ws_load_partition(a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, l
 def _ws_compute_partition(a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free, hi_desc, lo_desc, pid,
                           programs, n_m, n_n, n_tiles, n_k, FIRST: gl.constexpr, LAST: gl.constexpr,
                           BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, ROWS_FAST: gl.constexpr,
-                          ASM: gl.constexpr, EPI_SPLIT: gl.constexpr, C_FREE_STEP: gl.constexpr):
+                          ASM: gl.constexpr, EPI_SPLIT: gl.constexpr, C_FREE_STEP: gl.constexpr, x_ring=None,
+                          xready=None, TX: gl.constexpr = False):
+    # TX: A is read from x_ring, once the tx partition has signalled the stage on xready (B still on ready)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BN, 16])
     step = 0  # K steps consumed: stage step % STAGES, ready's phase (step // STAGES) & 1
@@ -314,7 +319,13 @@ def _ws_compute_partition(a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_f
         for kk in range(n_k):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            acc = hopper.warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+            if TX:
+                mbarrier.wait(xready.index(slot), (step // STAGES) & 1)
+                acc = hopper.warpgroup_mma(x_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc,
+                                           is_async=True)
+            else:
+                acc = hopper.warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc,
+                                           is_async=True)
             if not FIRST and C_FREE_STEP >= 0:
                 if kk == free_at:  # the previous tile's stores have read hi_s / lo_s: C's loads may follow
                     tma.store_wait(0)
@@ -344,6 +355,17 @@ def _ring(a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, 
 
 
 @gluon.jit
+def _ws_buffers(a_desc, b_desc, hi_desc, lo_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                STAGES: gl.constexpr):
+    """The warp-specialized kernels' shared memory: `_ring`'s, C's (hi, lo) blocks and their c_ready / c_free
+    barriers (initialized; the caller fences them)."""
+    a_ring, b_ring, ready, empty = _ring(a_desc, b_desc, BM, BN, BK, STAGES)
+    hi_s = gl.allocate_shared_memory(hi_desc.dtype, [BM, BN], hi_desc.layout)
+    lo_s = gl.allocate_shared_memory(lo_desc.dtype, [BM, BN], lo_desc.layout)
+    return a_ring, b_ring, ready, empty, hi_s, lo_s, _barrier(), _barrier()
+
+
+@gluon.jit
 def _barrier():
     """One mbarrier of count 1, initialized."""
     bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -360,11 +382,8 @@ def _dw_pair_ws_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.cons
     # the epilogue as the loader runs ahead), warp-specialized: see the protocol above.
     gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
     gl.static_assert(C_FREE_STEP <= STAGES - 2, "c_free's arrival must follow a K step the loader issued first")
-    a_ring, b_ring, ready, empty = _ring(a_desc, b_desc, BM, BN, BK, STAGES)
-    hi_s = gl.allocate_shared_memory(hi_desc.dtype, [BM, BN], hi_desc.layout)
-    lo_s = gl.allocate_shared_memory(lo_desc.dtype, [BM, BN], lo_desc.layout)
-    c_ready = _barrier()
-    c_free = _barrier()
+    a_ring, b_ring, ready, empty, hi_s, lo_s, c_ready, c_free = _ws_buffers(a_desc, b_desc, hi_desc, lo_desc, BM,
+                                                                           BN, BK, STAGES)
     hopper.fence_async_shared()  # the barriers' initialization, before the TMA unit signals them
 
     n_m, n_n, n_tiles, n_k, pid, programs = _grid(M, N, K, BM, BN, BK)
@@ -375,6 +394,72 @@ def _dw_pair_ws_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: gl.cons
         (_ws_load_partition, (a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready,
                               c_free, pid, programs, n_m, n_n, n_tiles, n_k, FIRST, BM, BN, BK, STAGES, ROWS_FAST)),
     ], [1], [LOADER_REGS])
+
+
+# ------------------------------------------------------------------------------ scaled-operand variant (tx)
+#
+# The warp-specialized kernel with a third partition of 4 warps between the loader and the wgmma, for dZ formed
+# from the logits GEMM's tile values e off the MMA warps' path (tools/scaled_operand_probe.py measured the same
+# transform in the MMA warps' registers: 16-65% slower GEMMs). Each K step's A block (eᵀ's [BK, BM] block: BK rows
+# of e, BM of its columns, inside one tile of TILE) is read from the ring, its rows multiplied by s[row, tile],
+# rounded to bfloat16 and written into the stage's x block, which the wgmma reads instead. One barrier more
+# (count 1):
+#   xready[s] (tx -> compute): the stage's x block is written (fenced for the async proxy first).
+# The tx partition and the compute partition both wait for K step g on ready[s] with parity (g // STAGES) & 1;
+# the compute partition then waits on xready[s] with the same parity. The tx partition rewrites x_ring[s] for step
+# g only after ready[s]'s phase of step g, which the loader starts after empty[s] of step g - STAGES: the wgmma
+# that read x_ring[s] last has retired. Neither barrier can run a phase ahead of a waiter: the next phase of
+# ready[s] needs empty[s], and that needs the compute partition's wait on xready[s].
+
+
+@gluon.jit
+def _tx_partition(a_ring, x_ring, ready, xready, s_ptr, s_row, s_tile, pid, programs, n_m, n_n, n_tiles, n_k, K,
+                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                  ROWS_FAST: gl.constexpr, TILE: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    step = 0
+    for tile in range(pid, n_tiles, programs):
+        r0, c0 = tile_origin(tile, n_m, n_n, BM, BN, ROWS_FAST)
+        for kk in range(n_k):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            a = a_ring.index(slot).load(layout)
+            ks = kk * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+            scale = gl.load(s_ptr + ks * s_row + (r0 // TILE) * s_tile, mask=ks < K, other=0.0)
+            x_ring.index(slot).store((a.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
+            hopper.fence_async_shared()
+            mbarrier.arrive(xready.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _dw_pair_tx_kernel(a_desc, b_desc, hi_desc, lo_desc, s_ptr, s_row, s_tile, M, N, K, FIRST: gl.constexpr,
+                       LAST: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                       STAGES: gl.constexpr, ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_SPLIT: gl.constexpr = 8,
+                       C_FREE_STEP: gl.constexpr = 0, LOADER_REGS: gl.constexpr = 24, TX_REGS: gl.constexpr = 96,
+                       TILE: gl.constexpr = 256):
+    # `_dw_pair_ws_kernel` over e ⊙ s: see the protocol above.
+    gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
+    gl.static_assert(C_FREE_STEP <= STAGES - 2, "c_free's arrival must follow a K step the loader issued first")
+    gl.static_assert(TILE % BM == 0, "a tile of A's rows must lie in one tile of the scale")
+    a_ring, b_ring, ready, empty, hi_s, lo_s, c_ready, c_free = _ws_buffers(a_desc, b_desc, hi_desc, lo_desc, BM,
+                                                                           BN, BK, STAGES)
+    x_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BK, BM], a_desc.layout)
+    xready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(xready.index(i), count=1)
+    hopper.fence_async_shared()  # the barriers' initialization, before the TMA unit signals them
+
+    n_m, n_n, n_tiles, n_k, pid, programs = _grid(M, N, K, BM, BN, BK)
+    gl.warp_specialize([
+        (_ws_compute_partition, (a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_free, hi_desc, lo_desc, pid,
+                                 programs, n_m, n_n, n_tiles, n_k, FIRST, LAST, BM, BN, STAGES, ROWS_FAST, ASM,
+                                 EPI_SPLIT, C_FREE_STEP, x_ring, xready, True)),
+        (_ws_load_partition, (a_desc, b_desc, hi_desc, lo_desc, a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready,
+                              c_free, pid, programs, n_m, n_n, n_tiles, n_k, FIRST, BM, BN, BK, STAGES, ROWS_FAST)),
+        (_tx_partition, (a_ring, x_ring, ready, xready, s_ptr, s_row, s_tile, pid, programs, n_m, n_n, n_tiles, n_k,
+                         K, BM, BN, BK, STAGES, ROWS_FAST, TILE)),
+    ], [1, 4], [LOADER_REGS, TX_REGS])
 
 
 # ------------------------------------------------------------------------------------------ ping-pong variant
@@ -747,10 +832,10 @@ def _layout(block, dtype):
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
-def shared_bytes(bm, bn, bk, stages, pingpong=False, ep=False):
-    """The kernel's explicit shared memory: the operand ring, hi_s and lo_s (ping-pong: one pair per owner;
-    epilogue partition: the float32 acc_s instead; the barriers aside)."""
-    return stages * (bm + bn) * bk * 2 + bm * bn * (4 if ep else 3 * (2 if pingpong else 1))
+def shared_bytes(bm, bn, bk, stages, pingpong=False, ep=False, tx=False):
+    """The kernel's explicit shared memory: the operand ring (tx: with its scaled A blocks), hi_s and lo_s
+    (ping-pong: one pair per owner; epilogue partition: the float32 acc_s instead; the barriers aside)."""
+    return stages * (bm * (2 if tx else 1) + bn) * bk * 2 + bm * bn * (4 if ep else 3 * (2 if pingpong else 1))
 
 
 def _c_free_step(stages):
@@ -761,7 +846,8 @@ def _c_free_step(stages):
 
 def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk=64, stages=2, epi_split=8,
             lookahead=True, prefetch_c=True, ws=False, c_free_step=None, loader_regs=24, pingpong=False,
-            compute_regs=240, ep=False, epi_rows=None, epi_warps=2, epi_regs=200, il=False):
+            compute_regs=240, ep=False, epi_rows=None, epi_warps=2, epi_regs=200, il=False, tx_scale=None,
+            tx_regs=96):
     """dZᵀ @ x (dZ [K, V], x [K, H]: bfloat16, rows contiguous) into a (hi bfloat16, lo int8) [V, H] pair: with
     `first` a new pair (`grad_gemms.dw_first`), else (hi, lo) updated in place (`grad_gemms.dw_accumulate`);
     with `last`, lo is not written and hi alone is returned, else (hi, lo). One persistent program per
@@ -770,10 +856,12 @@ def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk
     LOADER_REGS. `pingpong`: the ping-pong kernel (two compute warpgroups taking tiles in turns, a loader warp;
     ws / lookahead / prefetch_c / c_free_step unused), compute_regs the register count of owner 1 (a worker).
     `ep`: the epilogue-partition kernel (epi_rows rows a block, default 2048 // bn; epi_warps warps with epi_regs
-    registers; the other options but loader_regs unused)."""
+    registers; the other options but loader_regs unused). `tx_scale` [K, ceil(V / 256)] float32: the
+    warp-specialized kernel over dZ = dz ⊙ tx_scale (per row and tile of 256 columns, rounded to bfloat16 by a
+    partition of 4 warps with tx_regs registers; dz holds tile values)."""
     k, m = dz.shape
     n = x.shape[1]
-    need = shared_bytes(bm, bn, bk, stages, pingpong, ep or il)
+    need = shared_bytes(bm, bn, bk, stages, pingpong, ep or il, tx_scale is not None)
     if need > SMEM_LIMIT:
         raise ValueError(f"{bm}x{bn}x{bk} in {stages} stages needs {need} bytes of shared memory, more than "
                          f"{SMEM_LIMIT}")
@@ -803,6 +891,13 @@ def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk
                                  ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_SPLIT=epi_split,
                                  COMPUTE_REGS=compute_regs, LOADER_REGS=loader_regs, num_warps=4)
         return hi if last else (hi, lo)
+    if tx_scale is not None:
+        _dw_pair_tx_kernel[grid](*descs, tx_scale, tx_scale.stride(0), tx_scale.stride(1), m, n, k, FIRST=first,
+                                 LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages, ROWS_FAST=rows_fast(m, n, bm, bn),
+                                 ASM=fm.ASM, EPI_SPLIT=epi_split,
+                                 C_FREE_STEP=_c_free_step(stages) if c_free_step is None else c_free_step,
+                                 LOADER_REGS=loader_regs, TX_REGS=tx_regs, num_warps=8)
+        return hi if last else (hi, lo)
     if ws:
         _dw_pair_ws_kernel[grid](*descs, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
                                  ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_SPLIT=epi_split,
@@ -819,7 +914,7 @@ def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk
 
 def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefetch_c=True, ws=False,
              c_free_step=None, loader_regs=24, pingpong=False, compute_regs=240, ep=False, epi_rows=None, epi_warps=2,
-             epi_regs=200, il=False):
+             epi_regs=200, il=False, tx=False, tx_regs=96):
     """The kernel compiled for sm_90a (no GPU needed), as `dw_pair` launches it for dW (ROWS_FAST False)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -839,15 +934,19 @@ def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefe
             consts.update(EPI_WARPS=epi_warps, EPI_REGS=epi_regs)
     elif pingpong:
         consts.update(COMPUTE_REGS=compute_regs, LOADER_REGS=loader_regs)
-    elif ws:
+    elif ws or tx:
         consts.update(C_FREE_STEP=_c_free_step(stages) if c_free_step is None else c_free_step,
                       LOADER_REGS=loader_regs)
+        if tx:
+            sig = dict(**{k: v for k, v in sig.items() if k.endswith("desc")}, s_ptr="*fp32", s_row="i32",
+                       s_tile="i32", M="i32", N="i32", K="i32")
+            consts.update(TX_REGS=tx_regs, TILE=256)
     else:
         consts.update(LOOKAHEAD=lookahead, PREFETCH_C=prefetch_c)
     for name in consts:
         sig[name] = "constexpr"
     kernel = (_dw_pair_il_kernel if il else _dw_pair_ep_kernel if ep else _dw_pair_pp_kernel if pingpong
-              else _dw_pair_ws_kernel if ws else _dw_pair_kernel)
+              else _dw_pair_tx_kernel if tx else _dw_pair_ws_kernel if ws else _dw_pair_kernel)
     # the launch's specializations: pointers 16-byte aligned, N (H) a multiple of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ("hi_ptr", "lo_ptr", "N")}
     return triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -1047,9 +1146,54 @@ def gpu_main(out_path=None, variants=VARIANTS, shapes=SHAPES, dev="cuda"):
     return rows
 
 
+# --tx: the scaled-operand kernel's one launch that compiles (128x256 tiles run out of registers beside the tx
+# partition), and the warp-specialized launches over a formed dZ that it is timed against
+TX_LAUNCH = dict(bm=256, bn=128, bk=32, stages=3, ws=True)
+TX_REFERENCES = [_variant(256, 128, 32, 3, ws=True), _variant(256, 128, 32, 5, ws=True)]
+
+
+def tx_main(out_path=None, shapes=SHAPES, dev="cuda"):
+    """dW written once (FIRST and LAST) at SHAPES from tile values e [K, V] in [0, 1) and a scale s per (row, tile
+    of 256 columns): the tx kernel forming dZ = e ⊙ s in its partition, against the warp-specialized kernel over
+    the dZ that torch formed (the pass), bit for bit; both timed (`_time`), with fce_torch's dw_gemm over that dZ
+    and an in-place multiply of e standing in for the pass's traffic."""
+    from fce_torch.kernels.grad_gemms import dw_gemm
+    torch.manual_seed(0)
+    print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    rows, none = [], (torch.empty(1, device=dev), torch.empty(1, device=dev))
+    for k, h, v in shapes:
+        e = torch.rand(k, v, device=dev).to(torch.bfloat16)
+        scale = torch.rand(k, cdiv(v, 256), device=dev)
+        scale_t = scale.t().contiguous().t()  # tile-major: the tx partition's K steps read a column
+        x = torch.randn(k, h, device=dev).to(torch.bfloat16)
+        dz = (e.float() * scale.repeat_interleave(256, dim=1)[:, :v]).to(torch.bfloat16)
+        ref = dw_pair(dz, x, first=True, last=True, **TX_REFERENCES[0])
+        print(f"  (K={k} H={h}: checking the tx kernel)", file=sys.stderr, flush=True)
+        out = dw_pair(e, x, first=True, last=True, tx_scale=scale_t, **TX_LAUNCH)
+        torch.cuda.synchronize()
+        row = dict(K=k, H=h, V=v, tx_bits=_bits_equal(out, ref),
+                   tx_ms=_time(lambda hi, lo: dw_pair(e, x, first=True, last=True, tx_scale=scale_t, **TX_LAUNCH),
+                               none),
+                   pass_standin_ms=_time(lambda hi, lo: torch.mul(e, 1.0, out=e), none),
+                   fce_dw_gemm_ms=_time(lambda hi, lo: dw_gemm(dz, x, torch.bfloat16), none))
+        for kw in TX_REFERENCES:
+            row[_variant_name(**kw) + " ms"] = _time(lambda hi, lo, kw=kw: dw_pair(dz, x, first=True, last=True,
+                                                                                    **kw), none)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del e, scale, scale_t, x, dz, ref, out
+        torch.cuda.empty_cache()
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a not in ("--short", "--ep")]
-    if torch.cuda.is_available():
+    args = [a for a in sys.argv[1:] if a not in ("--short", "--ep", "--tx")]
+    if torch.cuda.is_available() and "--tx" in sys.argv:
+        tx_main(args[0] if args else None)
+    elif torch.cuda.is_available():
         gpu_main(args[0] if args else None, IL_VARIANTS + EP_VARIANTS + EP_REFERENCES if "--ep" in sys.argv
                  else SHORT_VARIANTS if "--short" in sys.argv else VARIANTS)
     else:
