@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from fce_core.config import GEMM
 from fce_core.plan import cdiv, rows_fast
 from fce_torch.kernels import fastmath as fm
 from fce_torch.kernels.grad_gemms import tile_origin
@@ -319,13 +320,11 @@ def _ws_compute_partition(a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_f
         for kk in range(n_k):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            a_src = a_ring
             if TX:
                 mbarrier.wait(xready.index(slot), (step // STAGES) & 1)
-                acc = hopper.warpgroup_mma(x_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc,
-                                           is_async=True)
-            else:
-                acc = hopper.warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc,
-                                           is_async=True)
+                a_src = x_ring
+            acc = hopper.warpgroup_mma(a_src.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
             if not FIRST and C_FREE_STEP >= 0:
                 if kk == free_at:  # the previous tile's stores have read hi_s / lo_s: C's loads may follow
                     tma.store_wait(0)
@@ -437,7 +436,7 @@ def _dw_pair_tx_kernel(a_desc, b_desc, hi_desc, lo_desc, s_ptr, s_row, s_tile, M
                        LAST: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, ROWS_FAST: gl.constexpr, ASM: gl.constexpr, EPI_SPLIT: gl.constexpr = 8,
                        C_FREE_STEP: gl.constexpr = 0, LOADER_REGS: gl.constexpr = 24, TX_REGS: gl.constexpr = 96,
-                       TILE: gl.constexpr = 256):
+                       TILE: gl.constexpr = GEMM.tile_n):
     # `_dw_pair_ws_kernel` over e ⊙ s: see the protocol above.
     gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
     gl.static_assert(C_FREE_STEP <= STAGES - 2, "c_free's arrival must follow a K step the loader issued first")
@@ -856,9 +855,9 @@ def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk
     LOADER_REGS. `pingpong`: the ping-pong kernel (two compute warpgroups taking tiles in turns, a loader warp;
     ws / lookahead / prefetch_c / c_free_step unused), compute_regs the register count of owner 1 (a worker).
     `ep`: the epilogue-partition kernel (epi_rows rows a block, default 2048 // bn; epi_warps warps with epi_regs
-    registers; the other options but loader_regs unused). `tx_scale` [K, ceil(V / 256)] float32: the
-    warp-specialized kernel over dZ = dz ⊙ tx_scale (per row and tile of 256 columns, rounded to bfloat16 by a
-    partition of 4 warps with tx_regs registers; dz holds tile values)."""
+    registers; the other options but loader_regs unused). `tx_scale` [K, ceil(V / GEMM.tile_n)] float32: the
+    warp-specialized kernel over dZ = dz ⊙ tx_scale (per row and logits tile, rounded to bfloat16 by a partition
+    of 4 warps with tx_regs registers; dz holds tile values)."""
     k, m = dz.shape
     n = x.shape[1]
     need = shared_bytes(bm, bn, bk, stages, pingpong, ep or il, tx_scale is not None)
@@ -896,7 +895,7 @@ def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk
                                  LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages, ROWS_FAST=rows_fast(m, n, bm, bn),
                                  ASM=fm.ASM, EPI_SPLIT=epi_split,
                                  C_FREE_STEP=_c_free_step(stages) if c_free_step is None else c_free_step,
-                                 LOADER_REGS=loader_regs, TX_REGS=tx_regs, num_warps=8)
+                                 LOADER_REGS=loader_regs, TX_REGS=tx_regs, TILE=GEMM.tile_n, num_warps=8)
         return hi if last else (hi, lo)
     if ws:
         _dw_pair_ws_kernel[grid](*descs, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
@@ -940,7 +939,7 @@ def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefe
         if tx:
             sig = dict(**{k: v for k, v in sig.items() if k.endswith("desc")}, s_ptr="*fp32", s_row="i32",
                        s_tile="i32", M="i32", N="i32", K="i32")
-            consts.update(TX_REGS=tx_regs, TILE=256)
+            consts.update(TX_REGS=tx_regs, TILE=GEMM.tile_n)
     else:
         consts.update(LOOKAHEAD=lookahead, PREFETCH_C=prefetch_c)
     for name in consts:
@@ -1148,25 +1147,26 @@ def gpu_main(out_path=None, variants=VARIANTS, shapes=SHAPES, dev="cuda"):
 
 # --tx: the scaled-operand kernel's one launch that compiles (128x256 tiles run out of registers beside the tx
 # partition), and the warp-specialized launches over a formed dZ that it is timed against
-TX_LAUNCH = dict(bm=256, bn=128, bk=32, stages=3, ws=True)
+TX_LAUNCH = dict(bm=256, bn=128, bk=32, stages=3)
 TX_REFERENCES = [_variant(256, 128, 32, 3, ws=True), _variant(256, 128, 32, 5, ws=True)]
 
 
 def tx_main(out_path=None, shapes=SHAPES, dev="cuda"):
-    """dW written once (FIRST and LAST) at SHAPES from tile values e [K, V] in [0, 1) and a scale s per (row, tile
-    of 256 columns): the tx kernel forming dZ = e ⊙ s in its partition, against the warp-specialized kernel over
+    """dW written once (FIRST and LAST) at SHAPES from tile values e [K, V] in [0, 1) and a scale s per (row,
+    logits tile): the tx kernel forming dZ = e ⊙ s in its partition, against the warp-specialized kernel over
     the dZ that torch formed (the pass), bit for bit; both timed (`_time`), with fce_torch's dw_gemm over that dZ
     and an in-place multiply of e standing in for the pass's traffic."""
     from fce_torch.kernels.grad_gemms import dw_gemm
+    from scaled_operand_probe import scaled
     torch.manual_seed(0)
     print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows, none = [], (torch.empty(1, device=dev), torch.empty(1, device=dev))
     for k, h, v in shapes:
         e = torch.rand(k, v, device=dev).to(torch.bfloat16)
-        scale = torch.rand(k, cdiv(v, 256), device=dev)
+        scale = torch.rand(k, cdiv(v, GEMM.tile_n), device=dev)
         scale_t = scale.t().contiguous().t()  # tile-major: the tx partition's K steps read a column
         x = torch.randn(k, h, device=dev).to(torch.bfloat16)
-        dz = (e.float() * scale.repeat_interleave(256, dim=1)[:, :v]).to(torch.bfloat16)
+        dz = scaled(e, scale)
         ref = dw_pair(dz, x, first=True, last=True, **TX_REFERENCES[0])
         print(f"  (K={k} H={h}: checking the tx kernel)", file=sys.stderr, flush=True)
         out = dw_pair(e, x, first=True, last=True, tx_scale=scale_t, **TX_LAUNCH)

@@ -33,12 +33,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
+from fce_core.config import GEMM  # noqa: E402
 from fce_torch.kernels import fastmath as fm  # noqa: E402
 
 REPS = 20
 SHAPES = [(8192, 640, 262144), (8192, 896, 151936), (16384, 2048, 128256), (4096, 4096, 128256),
           (256, 4096, 128256)]
-TILE_N = 256  # GemmConfig.tile_n: the V-tiles of the scale
+TILE_N = GEMM.tile_n  # the V-tiles of the scale: the logits GEMM's
 
 
 @triton.jit
@@ -111,11 +112,15 @@ def probe_gemm(e, b, s, *, a_t, scale, desc=False, slices=1, tiles=(128, 256, 64
     return c.sum(0).to(e.dtype) if slices > 1 else c
 
 
+def scaled(e, s):
+    """e's elements times s [e's rows, ceil(e's columns / TILE_N)], each rounded once to e's dtype: dZ as the pass
+    would form it from the tile values."""
+    return (e.float() * s.repeat_interleave(TILE_N, dim=1)[:, :e.shape[1]]).to(e.dtype)
+
+
 def reference(e, b, s, *, a_t, scale):
     """float64 of what `probe_gemm` computes (A rounded to e's dtype after the scale, as the kernel does)."""
-    a = e.float()
-    if scale:
-        a = (a * s.repeat_interleave(TILE_N, dim=1)[:, :e.shape[1]]).to(e.dtype).float()
+    a = (scaled(e, s) if scale else e).float()
     a = a.t() if a_t else a
     return a.double() @ b.double()
 
