@@ -18,6 +18,7 @@ from fce_core.config import PAIRWISE, PAIRWISE_INTERPRETER
 from fce_core.plan import cdiv
 
 from .kernels import fastmath as fm
+from .kernels.launch import launched
 
 
 def traced(t):
@@ -48,6 +49,7 @@ def row_sum(v, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr, ASM: tl.
     return tl.reshape(v, [BM])
 
 
+@launched
 @triton.jit
 def _pairwise_sum_kernel(x_ptr, out_ptr, n_rows, n, s_row, s_col, n_out, BR: tl.constexpr, BW: tl.constexpr,
                          LOG2_BW: tl.constexpr, ASM: tl.constexpr):

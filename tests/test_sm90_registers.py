@@ -91,7 +91,7 @@ def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False, on_load=
                   FLATTEN=grad_gemms.flattened(GRAD_GEMM_TORCH_ON_LOAD if on_load else GRAD_GEMM_TORCH, mode),
                   SLICED=sliced, ON_LOAD=on_load, TILE_N=256,
                   ASM=True)
-    return (_compiled if compiled else _spilled)(grad_gemms._gemm_kernel, sig, consts)
+    return (_compiled if compiled else _spilled)(grad_gemms._gemm_kernel.fn, sig, consts)
 
 
 @pytest.mark.parametrize("store, q, flatten", [(True, False, False), (False, False, False), (True, True, False),
@@ -147,7 +147,7 @@ def _logits(store, q=False, compiled=False, flatten=False):
     consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_TEMP=False, HAS_CW=False, HAS_Q=q, HAS_PZ=q,
                   STORE=store, PRECISION="ieee", BM=128, BN=256, BK=64, LOG2_BN=8, EVEN_K=True, TMA=True,
                   E_DESC=store, E_DT=tl.bfloat16, FLATTEN=flatten, ASM=True)
-    return (_compiled if compiled else _spilled)(logit_tiles._logit_tiles_kernel, sig, consts)
+    return (_compiled if compiled else _spilled)(logit_tiles._logit_tiles_kernel.fn, sig, consts)
 
 
 @pytest.mark.parametrize("zy_tiles, q, pz", [(True, False, False), (False, True, True)])
@@ -165,7 +165,8 @@ def _merge(zy_tiles, q, pz):
     sig.update(amax_ptr="*i32", arg_ptr="*i32", n_rows="i32", n_tiles="i32", V="i32")
     consts = dict(ZY_TILES=zy_tiles, HAS_Q=q, HAS_PZ=pz, HAS_CW=False, TILE_N=256, BR=MERGE_ROWS.block, BT=128,
                   LOG2_BT=7, NB=8, LOG2_NB=3, ASM=True)  # T = 1024 tiles: 8 blocks of 128
-    return _spilled(logit_tiles._merge_tiles_kernel, sig, consts, warps=MERGE_ROWS.num_warps, aligned=list(sig)[:16])
+    return _spilled(logit_tiles._merge_tiles_kernel.fn, sig, consts, warps=MERGE_ROWS.num_warps,
+                    aligned=list(sig)[:16])
 
 
 def _in_compiler(kind, *args):

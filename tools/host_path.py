@@ -5,20 +5,24 @@ GPU's wall time per call at a host-bound shape (N = 256) it tells how much of th
 launch path (binding, specialization, the driver) rather than fce's code.
 
 With --cuda (GPU machine) the tensors live on the GPU, so torch's CUDA-side ops count too, and the same calls are
-first timed with their launches: the difference is Triton's launch path (best of 3 rounds of STEPS calls each).
+first timed with their launches (best of 3 rounds of STEPS calls each), through fce_torch's launch path
+(fce_torch/kernels/launch.py) and through Triton's own `kernel[grid](...)`, alternating three times after a
+check that both give the same bits; then captured in one CUDA graph and replayed (the kernels' pace, no host).
 
-With --stub-driver (no GPU needed; gcc) the same calls are first timed through Triton's own launch path down to
-its C launcher, over a stand-in libcuda whose every call succeeds and does nothing (the kernels compiled for
-sm_90 on this CPU, the flags still clean): Triton's binding, specialization, TMA descriptors and launcher
-without the driver's own time (best of 12 rounds).
+With --stub-driver (no GPU needed; gcc) the same calls are first timed through both launch paths down to
+Triton's C launcher, over a stand-in libcuda whose every call succeeds and does nothing (the kernels compiled for
+sm_90 on this CPU, the flags still clean): the binding, specialization, TMA descriptors and launcher without the
+driver's own time (best of 12 rounds).
 
 Usage: python tools/host_path.py [--profile] [--cuda | --stub-driver] [N,H,V ...]   (256,4096,128256 by default;
-without --cuda any machine, no GPU needed). A development tool.
+without --cuda any machine, no GPU needed; PYTHONPATH=. for --cuda's graph, `bench.impls_torch.graphed`). A
+development tool.
 """
 import cProfile
 import ctypes
 import os
 import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,8 +68,10 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import fce_torch  # noqa: E402
 from fce_torch import checks  # noqa: E402
+from fce_torch.kernels import launch  # noqa: E402
 
 STEPS = 20
+ALTERNATIONS = 6  # of the two launch paths, each time best of `rounds` rounds of STEPS calls
 
 
 def _stub_driver():
@@ -107,34 +113,100 @@ def _clean_check():
 
 
 def _no_launches():
-    """Every `kernel[grid](...)` a no-op."""
-    JITFunction.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+    """Every `kernel[grid](...)` a no-op (fce_torch's `launch.Kernel` does its own binding before launching)."""
+    JITFunction.__getitem__ = launch.Kernel.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+
+
+def _inputs(n, h, v, device):
+    x = torch.randn(n, h, device=device).bfloat16().requires_grad_(True)
+    w = (torch.randn(v, h, device=device) / h ** 0.5).bfloat16().requires_grad_(True)
+    return x, w, torch.randint(0, v, (n,), device=device)
+
+
+def _fwd_bwd(x, w, y, validate=True):
+    x.grad = w.grad = None
+    loss = fce_torch.fused_lce(x, w, y, engine="fused", validate=validate)
+    loss.backward()
+    return loss
 
 
 def host_ms(n, h, v, profile=False, device="cpu", rounds=1):
-    x = torch.randn(n, h, device=device).bfloat16().requires_grad_(True)
-    w = (torch.randn(v, h, device=device) / h ** 0.5).bfloat16().requires_grad_(True)
-    y = torch.randint(0, v, (n,), device=device)
-
-    def step():
-        x.grad = w.grad = None
-        fce_torch.fused_lce(x, w, y, engine="fused").backward()
-
+    x, w, y = _inputs(n, h, v, device)
     for _ in range(3):
-        step()
+        _fwd_bwd(x, w, y)
     ms = float("inf")
     for _ in range(rounds):
         _sync(device)
         start = time.perf_counter()
         for _ in range(STEPS):
-            step()
+            _fwd_bwd(x, w, y)
         _sync(device)
         ms = min(ms, (time.perf_counter() - start) / STEPS * 1e3)
     if profile:
         prof = cProfile.Profile()
-        prof.runcall(lambda: [step() for _ in range(STEPS)])
+        prof.runcall(lambda: [_fwd_bwd(x, w, y) for _ in range(STEPS)])
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     return ms
+
+
+def _tritons_own_path():
+    """fce_torch's launches through Triton's `kernel[grid](...)` instead of `launch.Kernel`'s; returns the undo."""
+    lean = launch.Kernel._launch
+    launch.Kernel._launch = lambda self, grid, *args, **kwargs: self.fn[grid](*args, **kwargs)
+    return lambda: setattr(launch.Kernel, "_launch", lean)
+
+
+def _results(x, w, y):
+    _fwd_bwd(x, w, y)
+    return [_fwd_bwd(x, w, y).detach(), x.grad, w.grad]
+
+
+def launch_paths(n, h, v, device, rounds):
+    """fce_torch's launch path against Triton's own, alternating, best of `rounds` rounds each time, and the
+    medians; on the GPU first whether both give the same bits."""
+    if device == "cuda":
+        x, w, y = _inputs(n, h, v, device)
+        ours = _results(x, w, y)
+        undo = _tritons_own_path()
+        theirs = _results(x, w, y)
+        undo()
+        print(f"({n}, {h}, {v}) loss, dX and dW bitwise equal through both launch paths: "
+              f"{all(torch.equal(a, b) for a, b in zip(ours, theirs))}", flush=True)
+    where = "" if device == "cuda" else ", the driver a no-op"
+    times = {"fce_torch's": [], "Triton's own": []}
+    for _ in range(ALTERNATIONS):
+        for path, ms in times.items():
+            undo = _tritons_own_path() if path == "Triton's own" else (lambda: None)
+            ms.append(host_ms(n, h, v, device=device, rounds=rounds))
+            undo()
+            print(f"({n}, {h}, {v}) fused fwd+bwd with its launches through {path} path{where}: {ms[-1]:.3f} ms "
+                  f"per call", flush=True)
+    print(f"({n}, {h}, {v}) medians of {ALTERNATIONS}: " +
+          ", ".join(f"{path} path {statistics.median(ms):.3f} ms" for path, ms in times.items()), flush=True)
+
+
+def graph_ms(n, h, v, rounds=3):
+    """The fused fwd+bwd (validate=False) captured in one CUDA graph and replayed back to back (the op bench's
+    `bench.impls_torch.graphed`): the kernels' pace without the host's; and whether a replay gives the eager
+    call's bits."""
+    from bench.impls_torch import graphed
+
+    x, w, y = _inputs(n, h, v, "cuda")
+    replay = graphed(lambda *args: _fwd_bwd(*args, validate=False))
+    captured = [replay(x, w, y), x.grad, w.grad]
+    ms = float("inf")
+    for _ in range(rounds):
+        _sync("cuda")
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            replay(x, w, y)
+        _sync("cuda")
+        ms = min(ms, (time.perf_counter() - start) / STEPS * 1e3)
+    eager = [_fwd_bwd(x, w, y, validate=False).detach(), x.grad, w.grad]
+    replay(x, w, y)
+    same = all(torch.equal(a, b) for a, b in zip(eager, captured))
+    print(f"({n}, {h}, {v}) fused fwd+bwd (validate=False) as a CUDA graph, replayed: {ms:.3f} ms per call; "
+          f"bitwise equal to the eager call: {same}", flush=True)
 
 
 def _sync(device):
@@ -151,10 +223,10 @@ def main():
         _clean_check()
         _stub_driver()
     if device == "cuda" or stub:
-        where = "" if device == "cuda" else ", the driver a no-op"
         for n, h, v in shapes:
-            print(f"({n}, {h}, {v}) fused fwd+bwd with its launches{where}: "
-                  f"{host_ms(n, h, v, device=device, rounds=rounds):.3f} ms per call", flush=True)
+            launch_paths(n, h, v, device, rounds)
+            if device == "cuda":
+                graph_ms(n, h, v, rounds)
     if not stub:
         _clean_check()
     _no_launches()

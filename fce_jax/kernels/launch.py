@@ -4,7 +4,8 @@ The Triton lowering is chosen explicitly (jax 0.11 defaults to Mosaic GPU): the 
 memory-bound row passes whose inline PTX (fastmath.py) must match fce_torch's instruction for instruction.
 
 Inside ``jax.shard_map(check_vma=True)`` every output carries its manual-axis type: the union of the inputs'
-varying axes (an elementwise kernel varies where its operands do).
+varying axes (an elementwise kernel varies where its operands do). Twin: fce_torch/kernels/launch.py (the torch
+twin's Triton launches, which have a host path of their own; here XLA launches the compiled program).
 """
 import functools
 

@@ -11,6 +11,7 @@ from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LN2, LOG2E
+from .launch import launched
 
 
 @triton.jit
@@ -20,6 +21,7 @@ def _log1p(e, ASM: tl.constexpr):
     return tl.where(w == 1.0, e, fm.mul(fm.mul(fm.lg2(w, ASM), LN2, ASM), fm.div(e, w - 1.0, ASM), ASM))
 
 
+@launched
 @triton.jit
 def _cpo_pair_kernel(sum_ptr, cnt_ptr, y_ptr, scal_ptr, pair_loss_ptr, logp_ptr, reward_ptr, scale_ptr,
                      n_pairs, T, ignore_index, beta, one_minus_eps, eps, gamma_over_beta, half_inv_beta, alpha,
@@ -90,6 +92,7 @@ def _cpo_pair_kernel(sum_ptr, cnt_ptr, y_ptr, scal_ptr, pair_loss_ptr, logp_ptr,
         tl.store(scale_ptr + idx_r, tl.where(valid_r, a_r[:, None], 0.0), mask=mask)
 
 
+@launched
 @triton.jit
 def _cpo_total_kernel(sums_ptr, scal_ptr, out_ptr, alpha, ASM: tl.constexpr):
     i = tl.arange(0, 2)

@@ -18,6 +18,7 @@ from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LOG2E
+from .launch import launched
 from .row_stats import logit_transform, row_pass
 
 
@@ -32,6 +33,7 @@ def row_coefficients(y_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, rows, row_ok):
     return y, lse, a, b, c, (a != 0.0) | (b != 0.0) | (c != 0.0)
 
 
+@launched
 @triton.jit
 def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr, lse_ptr, a_ptr, b_ptr, c_ptr,
                     d_ptr, mu_ptr, n_rows, V, softcap, temperature,
@@ -75,6 +77,7 @@ def _dlogits_kernel(z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, y_ptr, cw_ptr,
                  mask=mask)
 
 
+@launched
 @triton.jit
 def _scale_rows_kernel(a_ptr, stride_a, out_ptr, stride_out, scale_ptr, n_rows, V, BR: tl.constexpr,
                        BV: tl.constexpr, ASM: tl.constexpr):
@@ -89,6 +92,7 @@ def _scale_rows_kernel(a_ptr, stride_a, out_ptr, stride_out, scale_ptr, n_rows, 
              fm.to_dtype(fm.mul(a, scale[:, None], ASM), out_ptr.dtype.element_ty, ASM), mask=mask)
 
 
+@launched
 @triton.jit
 def _bias_grad_kernel(dz_ptr, stride_dz, db_ptr, scale_ptr, n_rows, V, BV: tl.constexpr, HAS_SCALE: tl.constexpr,
                       ASM: tl.constexpr):

@@ -12,6 +12,7 @@ from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LN2, LOG2E
+from .launch import launched
 
 ROW_OUTPUTS = ("lse", "loss", "zrow", "correct", "a", "b", "c")
 
@@ -28,6 +29,7 @@ def row_lse(m_ptr, s_ptr, zy_ptr, y_ptr, rows, ok, V, ignore_index, ASM: tl.cons
             fm.fma(lg, LN2, m - zy, ASM))
 
 
+@launched
 @triton.jit
 def _flce_head_kernel(m_ptr, s_ptr, zy_ptr, q_ptr, amax_ptr, y_ptr, wy_ptr, g_ptr, glse_ptr, scal_ptr,
                       lse_ptr, loss_ptr, zrow_ptr, correct_ptr, a_ptr, b_ptr, c_ptr,

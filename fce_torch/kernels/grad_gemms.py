@@ -19,6 +19,7 @@ from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, cdiv, dx_slices, gemm_ite
 
 from . import fastmath as fm
 from .dlogits import row_coefficients
+from .launch import launched
 from .tile_dlogits import dz_on_load
 from .tma import ELEMENT_TYPES, column_halves, descriptors, processors, programs, stages
 from ..sums import pairwise_sum
@@ -92,6 +93,7 @@ def tile_origin(tile, n_m, n_n, BM: tl.constexpr, BN: tl.constexpr, ROWS_FAST: t
     return r0, c0
 
 
+@launched
 @triton.jit
 def _gemm_kernel(a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, c_ptr, lo_ptr, s_cm, M, N, K, SLICE_K, n_slices,
                  mt_ptr, y_ptr, lse_ptr, ca_ptr, cb_ptr, cc_ptr, dz_rows, V, n_tiles,

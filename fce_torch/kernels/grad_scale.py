@@ -8,8 +8,10 @@ from fce_core.config import GRAD_SCALE
 from fce_core.plan import cdiv
 
 from . import fastmath as fm
+from .launch import launched
 
 
+@launched
 @triton.jit
 def _scale_cast_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -28,6 +30,7 @@ def _scale_part(t_ptr, g, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
         tl.store(t_ptr + offs, fm.to_dtype(v * g, t_ptr.dtype.element_ty, ASM), mask=ok)
 
 
+@launched
 @triton.jit
 def _scale_in_place_kernel(a_ptr, b_ptr, c_ptr, g_ptr, n_a, n_b, n_c, BLOCK: tl.constexpr, ASM: tl.constexpr):
     # program_id(1) picks the tensor: one launch for dX, dW and db, which the host pays per launch at small N

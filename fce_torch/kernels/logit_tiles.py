@@ -17,6 +17,7 @@ from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LOG2E
+from .launch import launched
 from .row_stats import logit_transform
 from .tma import ELEMENT_TYPES, column_halves, descriptors, programs, stages
 from ..sums import row_sum
@@ -24,6 +25,7 @@ from ..sums import row_sum
 F32 = torch.float32
 
 
+@launched
 @triton.jit
 def _logit_tiles_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cw_ptr, e_ptr, stride_e,
                         m_ptr, s_ptr, arg_ptr, zy_ptr, q_ptr, pz_ptr,
@@ -150,6 +152,7 @@ def _block_sum(sums, units, ok, block, BR: tl.constexpr, BT: tl.constexpr, LOG2_
     return tl.where(tl.arange(0, NB)[None, :] == block, total[:, None], sums)
 
 
+@launched
 @triton.jit
 def _merge_tiles_kernel(m_ptr, s_ptr, q_ptr, pz_ptr, amax_ptr, zyt_ptr, wt_ptr, big_ptr, zy_ptr, arg_ptr, ss_ptr,
                         sq_ptr, spz_ptr, n_rows, n_tiles, V, ZY_TILES: tl.constexpr, HAS_Q: tl.constexpr,

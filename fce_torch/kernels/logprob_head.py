@@ -12,10 +12,12 @@ from fce_core.plan import cdiv
 from . import fastmath as fm
 from .fastmath import LN2
 from .flce_head import row_lse
+from .launch import launched
 
 ROW_OUTPUTS = ("lse", "logp", "entropy", "mu", "a", "b", "c", "d")
 
 
+@launched
 @triton.jit
 def _logprob_head_kernel(m_ptr, s_ptr, zy_ptr, pz_ptr, y_ptr, g_ptr, h_ptr,
                          lse_ptr, logp_ptr, ent_ptr, mu_ptr, a_ptr, b_ptr, c_ptr, d_ptr,

@@ -11,8 +11,10 @@ from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LOG2E
+from .launch import launched
 
 
+@launched
 @triton.jit
 def _merge_kernel(m_ptr, s_ptr, amax_ptr, q_ptr, pz_ptr, off_ptr, m_out, s_out, amax_out, q_out, pz_out, n_rows,
                   P: tl.constexpr, HAS_Q: tl.constexpr, HAS_PZ: tl.constexpr, BLOCK: tl.constexpr,

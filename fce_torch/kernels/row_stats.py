@@ -12,6 +12,7 @@ from fce_core.plan import cdiv
 
 from . import fastmath as fm
 from .fastmath import LOG2E
+from .launch import launched
 
 
 @triton.jit
@@ -30,6 +31,7 @@ def logit_transform(r, softcap, temperature, HAS_SOFTCAP: tl.constexpr, HAS_TEMP
     return z, t
 
 
+@launched
 @triton.jit
 def _row_stats_kernel(z_ptr, stride_z, bias_ptr, ry_ptr, cw_ptr,
                       m_ptr, zy_ptr, amax_ptr, s_ptr, q_ptr, pz_ptr,

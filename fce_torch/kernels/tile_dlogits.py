@@ -14,6 +14,7 @@ from fce_core.plan import cdiv
 from . import fastmath as fm
 from .fastmath import LN2, LOG2E
 from .dlogits import row_coefficients
+from .launch import launched
 from .logit_tiles import gemm_config
 
 
@@ -39,6 +40,7 @@ def dz_on_load(e, mt_ptr, rows, c0, n_tiles, y, lse, a, b, c, live, V, TILE_N: t
     return fm.to_dtype(dz, e.dtype, ASM)
 
 
+@launched
 @triton.jit
 def _tile_dlogits_kernel(e_ptr, stride_e, mt_ptr, y_ptr, zy_ptr, cw_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, d_ptr,
                          mu_ptr, n_rows, V, n_tiles, softcap, temperature,

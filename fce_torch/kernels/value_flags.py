@@ -8,7 +8,10 @@ import triton.language as tl
 
 from fce_core.config import VALUE_FLAGS
 
+from .launch import launched
 
+
+@launched
 @triton.jit
 def _value_flags_kernel(y_ptr, n, vocab, ignore_index, cw_ptr, n_cw, out_ptr, scalars_ptr, HAS_CW: tl.constexpr,
                         BLOCK: tl.constexpr):
