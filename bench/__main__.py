@@ -76,10 +76,10 @@ def with_launches(logits: dict, grads: dict) -> None:
     from fce_torch.kernels import grad_gemms as torch_grads
     from fce_torch.kernels import logit_tiles as torch_logits
 
-    for changes, targets in ((logits, ((torch_logits, ("GEMM",)), (jax_logits, ("GEMM",)))),
+    for changes, targets in ((logits, ((torch_logits, ("GEMM", "GEMM_SHORT")), (jax_logits, ("GEMM", "GEMM_SHORT")))),
                              (grads, ((torch_grads, ("GRAD_GEMM_TORCH", "GRAD_GEMM_TORCH_TALL",
                                                      "GRAD_GEMM_TORCH_ON_LOAD")),
-                                      (jax_grads, ("GRAD_GEMM_MOSAIC",))))):
+                                      (jax_grads, ("GRAD_GEMM_MOSAIC", "GRAD_GEMM_MOSAIC_SHORT_K"))))):
         for module, names in targets if changes else ():
             for name in names:
                 setattr(module, name, dataclasses.replace(getattr(module, name), **changes))

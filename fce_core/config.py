@@ -123,7 +123,7 @@ class GradGemmConfig:
     mosaic: bool = False  # the JAX twin's GEMMs on Pallas Mosaic GPU (fce_jax/kernels/grad_gemms_mgpu.py)
     # With `mosaic`, where K is not sliced: the two compute warpgroups take tiles of tile_m / 2 x tile_n in turns
     # off one ring of stages, one's epilogue under the other's wgmma (grad_gemms_mgpu's `_pingpong_kernel`);
-    # opt-in, not run on a GPU yet
+    # the default only for dW of at most SHORT_ROWS rows (GRAD_GEMM_MOSAIC_SHORT_K)
     pingpong: bool = False
     # dZ formed from the logits GEMM's tile values on the dX / dW GEMMs' operand load, where the head's dZ is
     # that `fce_core.heads.forms_dz_on_load` admits (no pass over the [rows, V] values): the same values, speed only
@@ -173,6 +173,14 @@ GRAD_SCALE = BlockConfig(block=4096, num_warps=8, max_programs=1024)
 # Not flattened: the flattened loop spilled 952 bytes per thread (sm_90a) until the row sums' pairs became
 # warp shuffles (0 since), and was timed at H = 640 only (tools/fused_kernels.py --logits times it again).
 GEMM = GemmConfig()
+# The launches for a chunk of at most SHORT_ROWS rows (256 rows in one chunk: a memory-bound logits GEMM and dW
+# of K = 256): the logits GEMM in 4 stages (both twins), the JAX twin's Mosaic GPU dW with its compute warpgroups
+# in turns in 5 stages. H100 at (256, 4096, 128256), fwd+bwd: 4 stages 1.55 -> 1.52 ms (fce_torch) and 1.45 ->
+# 1.41 (fce_jax); pingpong in 5 stages, fce_jax 1.45 -> 1.38 (bench/results/nvidia-h100/short-rows/). Speed only:
+# 4 stages were slower at 1024x2048 and 4096x4096 (bench/results/nvidia-h200/n256-probes/), the pingpong 12% slower
+# at 16384x2048 (bench/results/nvidia-h100/engine-v2-flags/), so longer chunks keep GEMM and GRAD_GEMM_MOSAIC.
+SHORT_ROWS = 256
+GEMM_SHORT = dataclasses.replace(GEMM, num_stages=4)
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
 # The JAX twin's logits GEMM on Pallas Mosaic GPU (two compute warpgroups of 64 rows, TMA, persistent): opt-in.
@@ -206,6 +214,7 @@ GRAD_GEMM_TORCH_ON_LOAD = dataclasses.replace(GRAD_GEMM_TORCH, flatten=False)
 # fce_torch's.
 GRAD_GEMM_MOSAIC = dataclasses.replace(GRAD_GEMM, tile_m=256, tile_n=128, num_stages=3, tma=True, persistent=True,
                                        mosaic=True)
+GRAD_GEMM_MOSAIC_SHORT_K = dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, num_stages=5)  # see GEMM_SHORT
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)
 # Other launch tiles than the JAX twin's in the CPU tests too: the twins' bits must not depend on them.

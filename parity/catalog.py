@@ -64,8 +64,8 @@ def gpu_cases() -> list[Case]:
     (each option, three reductions, all options at once, token scaling, a normalizer pair, negative class
     weights, a float32 bias), (8192, 2304, 256000) over the reductions and all options, both with half the
     rows ignored, and float32 at (1024, 1024, 32000); and the fused engine (``engine="fused"``) at those
-    shapes, (8192, 896, 151936) with half the rows ignored, (16384, 2048, 128256), (8192, 640, 262144) and
-    float16 at (8192, 2304, 256000)."""
+    shapes, (8192, 896, 151936) with half the rows ignored, (16384, 2048, 128256), (256, 4096, 128256),
+    (8192, 640, 262144) and float16 at (8192, 2304, 256000)."""
     a = dict(shape=(4096,), h=4096, v=128256, dtype="bfloat16")
     b = dict(shape=(8192,), h=2304, v=256000, dtype="bfloat16")
     f = dict(shape=(1024,), h=1024, v=32000, dtype="float32")
@@ -101,6 +101,8 @@ def gpu_cases() -> list[Case]:
             Case("fused_bf16_8k_896_152k_half_ignored", (8192,), 896, 151936, "bfloat16", ignore_frac=0.5,
                  **fused, seed=210),
             Case("fused_bf16_16k_2048_128k_mean", (16384,), 2048, 128256, "bfloat16", **fused, seed=211),
+            # one chunk of 256 rows: the launches for few rows (fce_core.config.SHORT_ROWS)
+            Case("fused_bf16_256_4k_128k_mean", (256,), 4096, 128256, "bfloat16", **fused, seed=214),
             # Gemma-3-270M's head: dX over V in the most slices (few output tiles at H=640)
             Case("fused_bf16_8k_640_262k_mean", (8192,), 640, 262144, "bfloat16", **fused, seed=212),
             Case("fused_f32_1k_1k_32k_mean", **f, **fused, seed=300),

@@ -293,13 +293,14 @@ def test_launch_options(monkeypatch):
         with pytest.raises(SystemExit):
             _parser().parse_args(["op", option, bad])
     names = {torch_grads: ("GRAD_GEMM_TORCH", "GRAD_GEMM_TORCH_TALL", "GRAD_GEMM_TORCH_ON_LOAD"),
-             jax_grads: ("GRAD_GEMM_MOSAIC",), torch_logits: ("GEMM",), jax_logits: ("GEMM",)}
+             jax_grads: ("GRAD_GEMM_MOSAIC", "GRAD_GEMM_MOSAIC_SHORT_K"), torch_logits: ("GEMM", "GEMM_SHORT"),
+             jax_logits: ("GEMM", "GEMM_SHORT")}
     for module, module_names in names.items():
         for name in module_names:
             monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
-    with_launches({"mosaic": True}, {"pingpong": True})
-    assert all(getattr(m, n).pingpong for m in (torch_grads, jax_grads) for n in names[m])
-    assert torch_logits.GEMM.mosaic and jax_logits.GEMM.mosaic
+    with_launches({"mosaic": True}, {"num_stages": 2})
+    assert all(getattr(m, n).num_stages == 2 for m in (torch_grads, jax_grads) for n in names[m])
+    assert all(getattr(m, n).mosaic for m in (torch_logits, jax_logits) for n in names[m])
 
 
 def test_design_floor_counts_the_layouts_bytes():

@@ -629,11 +629,39 @@ def test_twins_share_the_grad_gemm_numerics():
     for torch_cfg, jax_cfg in ((config.GRAD_GEMM_TORCH, config.GRAD_GEMM),
                                (config.GRAD_GEMM_TORCH_TALL, config.GRAD_GEMM),
                                (config.GRAD_GEMM_MOSAIC, config.GRAD_GEMM),
+                               (config.GRAD_GEMM_MOSAIC_SHORT_K, config.GRAD_GEMM),
                                (config.GRAD_GEMM_INTERPRETER_TORCH, config.GRAD_GEMM_INTERPRETER),
                                (config.GRAD_GEMM_MOSAIC_INTERPRETER, config.GRAD_GEMM_INTERPRETER)):
         for field in config.GradGemmConfig.NUMERICS:
             assert getattr(torch_cfg, field) == getattr(jax_cfg, field), field
     assert config.GRAD_GEMM_INTERPRETER_TORCH.tile_n != config.GRAD_GEMM_INTERPRETER.tile_n
+
+
+def test_launches_for_few_rows(monkeypatch):
+    """On the GPU a chunk of at most SHORT_ROWS rows takes GEMM_SHORT's logits launch in both twins, and the JAX
+    twin's dW of at most SHORT_ROWS rows (its K) GRAD_GEMM_MOSAIC_SHORT_K; longer ones the defaults; a given config
+    is kept. Launch fields only: every NUMERICS field is the default's."""
+    import jax.numpy as jnp
+
+    from fce_core import config
+    from fce_jax.kernels import grad_gemms as jg
+    from fce_jax.kernels import logit_tiles as jt
+    from fce_torch.kernels import logit_tiles as tt
+
+    for short, default, cls in ((config.GEMM_SHORT, config.GEMM, config.GemmConfig),
+                                (config.GRAD_GEMM_MOSAIC_SHORT_K, config.GRAD_GEMM_MOSAIC, config.GradGemmConfig)):
+        assert short != default and all(getattr(short, f) == getattr(default, f) for f in cls.NUMERICS)
+    monkeypatch.setattr(tfm, "ASM", True)
+    monkeypatch.setattr(jt, "interpret_mode", lambda: False)
+    monkeypatch.setattr(jg, "interpret_mode", lambda: False)
+    n = config.SHORT_ROWS
+    for gemm_config in (tt.gemm_config, jt.gemm_config):
+        assert gemm_config(rows=1) == gemm_config(rows=n) == config.GEMM_SHORT
+        assert gemm_config(rows=n + 1) == gemm_config() == config.GEMM
+        assert gemm_config(config.GEMM, rows=1) == config.GEMM
+    dz, x = jnp.zeros((2 * n, 64), jnp.bfloat16), jnp.zeros((2 * n, 32), jnp.bfloat16)
+    assert jg._config(dz, x, k_rows=n) == config.GRAD_GEMM_MOSAIC_SHORT_K
+    assert jg._config(dz, x, k_rows=2 * n) == jg._config(dz, x) == config.GRAD_GEMM_MOSAIC
 
 
 def test_torch_dx_launch_takes_the_fewest_rounds(monkeypatch):
@@ -1473,7 +1501,7 @@ def test_jax_fused_engine_on_mosaic_logits(monkeypatch, name):
     mosaic_logit_tiles = jt.mosaic_logit_tiles
     monkeypatch.setattr(jt, "mosaic_logit_tiles", lambda x, *a, **kw: launches.append(x.shape[0]) or
                         mosaic_logit_tiles(x, *a, **kw))
-    monkeypatch.setattr(jt, "gemm_config", lambda cfg=None: cfg or GEMM_MOSAIC_INTERPRETER)
+    monkeypatch.setattr(jt, "gemm_config", lambda cfg=None, rows=None: cfg or GEMM_MOSAIC_INTERPRETER)
     case, chunk_rows = MOSAIC_LOGITS_CASES[name]
     case = _fused(case)
     inp = make_inputs(case)

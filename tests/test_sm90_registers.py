@@ -138,7 +138,7 @@ def _logits_epilogue():
     return ptx.count("bar.sync"), ptx.count("ld.shared.v4")
 
 
-def _logits(store, q=False, compiled=False, flatten=False):
+def _logits(store, q=False, compiled=False, flatten=False, stages=3):
     from fce_torch.kernels import logit_tiles
     sig = dict(x_ptr="tensordesc<bf16[128,64]>", w_ptr="tensordesc<bf16[256,64]>", bias_ptr="*bf16",
                y_ptr="*i32", cw_ptr="*fp32", e_ptr="tensordesc<bf16[128,128]>", stride_e="i32", m_ptr="*fp32",
@@ -147,7 +147,20 @@ def _logits(store, q=False, compiled=False, flatten=False):
     consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_TEMP=False, HAS_CW=False, HAS_Q=q, HAS_PZ=q,
                   STORE=store, PRECISION="ieee", BM=128, BN=256, BK=64, LOG2_BN=8, EVEN_K=True, TMA=True,
                   E_DESC=store, E_DT=tl.bfloat16, FLATTEN=flatten, ASM=True)
-    return (_compiled if compiled else _spilled)(logit_tiles._logit_tiles_kernel.fn, sig, consts)
+    return (_compiled if compiled else _spilled)(logit_tiles._logit_tiles_kernel.fn, sig, consts, stages=stages)
+
+
+def test_logits_gemm_for_few_rows_fits():
+    """GEMM_SHORT's launch (a chunk of at most SHORT_ROWS rows, 4 stages): no spills, and its shared memory within
+    the 227 KiB of a block on sm_90."""
+    spilled, shared = _in_compiler("logits_short")
+    assert spilled == 0 and 200 * 1024 < shared <= 227 * 1024
+
+
+def _logits_short():
+    from fce_core.config import GEMM_SHORT
+    compiled = _logits(True, compiled=True, stages=GEMM_SHORT.num_stages)
+    return ptxas_usage(compiled.asm["ptx"])[1], compiled.metadata.shared
 
 
 @pytest.mark.parametrize("zy_tiles, q, pz", [(True, False, False), (False, True, True)])

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC
+from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_SHORT_K, SHORT_ROWS
 from fce_core.heads import TileValues
 from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, dx_slices, rows_fast
 
@@ -104,7 +104,7 @@ def _config(a, b, outs=(), k_rows=None):
     fce_torch takes pointer loads where TMA cannot (the same bits either way). `k_rows`: dW's K, the first rows
     of a and b; where it ends inside them and not on a whole K step, the Triton lowering too (its loads are
     masked at K, where TMA's last step would read the rows past it, which hold no values: a kept dZ's rows that
-    did not run; fce_torch cuts its descriptors at K)."""
+    did not run; fce_torch cuts its descriptors at K). dW of at most SHORT_ROWS rows: GRAD_GEMM_MOSAIC_SHORT_K."""
     if interpret_mode():
         return GRAD_GEMM_INTERPRETER
     if isinstance(a, TileValues):  # no Mosaic GPU kernel forms dZ on its load yet
@@ -113,7 +113,7 @@ def _config(a, b, outs=(), k_rows=None):
         return GRAD_GEMM
     if k_rows is not None and k_rows < a.shape[0] and k_rows % GRAD_GEMM_MOSAIC.tile_k:
         return GRAD_GEMM
-    return GRAD_GEMM_MOSAIC
+    return GRAD_GEMM_MOSAIC_SHORT_K if k_rows is not None and k_rows <= SHORT_ROWS else GRAD_GEMM_MOSAIC
 
 
 def _run(a, b, m, n, k, *, a_t, mode, outs, reads=(), first=False, precision=None, slices=1, cfg=None):

@@ -8,7 +8,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import GEMM, GEMM_INTERPRETER, TILE_ROWS
+from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, SHORT_ROWS, TILE_ROWS
 from fce_core.rows import safe_targets
 
 from .. import arrays
@@ -145,9 +145,14 @@ def _merge_tiles_kernel(m_ref, s_ref, q_ref, pz_ref, wt_ref, big_ref, zy_ref, *o
         pltriton.store(extra[0].at[block], fm.fma(m_t - zy[:, None], w_t[None, :], q_t, asm), mask=ok)
 
 
-def gemm_config(cfg=None):
-    """The logits GEMM's tiles: `cfg`, else the GPU's, or the interpreter's small ones."""
-    return cfg or (GEMM_INTERPRETER if interpret_mode() else GEMM)
+def gemm_config(cfg=None, rows=None):
+    """The logits GEMM's tiles: `cfg`, else the GPU's (its launch for a chunk of at most SHORT_ROWS `rows`), or
+    the interpreter's small ones."""
+    if cfg is not None:
+        return cfg
+    if interpret_mode():
+        return GEMM_INTERPRETER
+    return GEMM_SHORT if rows is not None and rows <= SHORT_ROWS else GEMM
 
 
 def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, into=None, row0=0,
@@ -159,7 +164,7 @@ def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, int
     undefined), None without `store`; the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V /
     tile_n) tiles). With `cfg.mosaic` the Mosaic GPU kernel (same bits) runs where `logit_tiles_mgpu.supports`
     says it applies (`row0_multiple`: what a traced row0 is known to be a multiple of)."""
-    cfg = gemm_config(cfg)
+    cfg = gemm_config(cfg, x.shape[0])
     y_safe = safe_targets(arrays, y, w.shape[0])
     if cfg.mosaic and supports(x, w, bias, class_weights, transform, cfg, into=into, out_rows=out_rows, row0=row0,
                                row0_multiple=row0_multiple):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fce_core.config import GEMM, GEMM_INTERPRETER, MERGE_ROWS
+from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, MERGE_ROWS, SHORT_ROWS
 from fce_core.plan import cdiv
 
 from . import fastmath as fm
@@ -222,9 +222,14 @@ def _merge_tiles_kernel(m_ptr, s_ptr, q_ptr, pz_ptr, amax_ptr, zyt_ptr, wt_ptr, 
              mask=row_ok)
 
 
-def gemm_config(cfg=None):
-    """The logits GEMM's tiles: `cfg`, else the GPU's, or the interpreter's small ones."""
-    return cfg or (GEMM if fm.ASM else GEMM_INTERPRETER)
+def gemm_config(cfg=None, rows=None):
+    """The logits GEMM's tiles: `cfg`, else the GPU's (its launch for a chunk of at most SHORT_ROWS `rows`), or
+    the interpreter's small ones."""
+    if cfg is not None:
+        return cfg
+    if not fm.ASM:
+        return GEMM_INTERPRETER
+    return GEMM_SHORT if rows is not None and rows <= SHORT_ROWS else GEMM
 
 
 def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, out=None, store=True, cfg=None):
@@ -232,8 +237,8 @@ def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, out
     outside [0, V) (`fce_core.rows.safe_targets`, in the kernel: torch's ops would cost the host). Writes the
     exp-scaled tile values into `out` (or a new [n, V] array in x's dtype; neither without `store`) and returns
     (that array or None, the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V / tile_n) tiles)."""
-    cfg = gemm_config(cfg)
     n, hidden = x.shape
+    cfg = gemm_config(cfg, n)
     V = w.shape[0]
     n_tiles = cdiv(V, cfg.tile_n)
     e = out if out is not None else x.new_empty((n, V)) if store else None
