@@ -21,7 +21,6 @@ import torch
 import triton.backends.nvidia.driver as nvd
 from triton.tools.tensor_descriptor import TensorDescriptor
 import fce_torch
-from fce_torch.kernels import launch
 
 calls = []
 
@@ -55,7 +54,7 @@ for s in shapes:  # every specialization's first launch: Triton compiles it
 runs = {}
 for path in ("lean", "triton"):
     if path == "triton":
-        launch.Kernel._launch = lambda self, grid, *args, **kwargs: self.fn[grid](*args, **kwargs)
+        host_path._tritons_own_path()
     calls.clear()
     for s in shapes:
         fwd_bwd(*s)
