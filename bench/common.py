@@ -158,7 +158,7 @@ def implementations(registry: str, settings: Settings, progress: Progress, **kwa
     return torch_impls, impls_jax, jax_impls, notes
 
 
-def fce_logprobs(module: str, engine: str = "library"):
+def fce_logprobs(module: str, engine: str = "auto"):
     """A builder of ``rows(x, w, t) -> (logp, entropy)`` by ``module.fused_token_logprobs`` on `engine`."""
     def build(settings: Settings):
         fused_token_logprobs = guarded_import(module, "fused_token_logprobs")

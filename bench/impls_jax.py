@@ -31,7 +31,7 @@ def _token_logps(x: jax.Array, w: jax.Array, t: jax.Array) -> tuple[jax.Array, j
 # --- fused linear cross-entropy -------------------------------------------------------------------------
 
 
-def fce(settings: Settings, engine: str = "library") -> Loss:
+def fce(settings: Settings, engine: str = "auto") -> Loss:
     fused_lce = guarded_import("fce_jax", "fused_lce")
     return lambda x, w, t: fused_lce(x, w, t, engine=engine)
 
@@ -57,6 +57,7 @@ def tokamax_chunked(settings: Settings) -> Loss:
 
 
 FLCE = {"fce_jax": fce, "fce_jax_fused": functools.partial(fce, engine="fused"),
+        "fce_jax_library": functools.partial(fce, engine="library"),
         "tokamax_chunked_xla": tokamax_chunked, "jax_naive": naive}
 
 
@@ -81,6 +82,7 @@ def naive_logprobs(settings: Settings):
 
 
 LOGPROBS = {"fce_jax": fce_logprobs("fce_jax"), "fce_jax_fused": fce_logprobs("fce_jax", "fused"),
+            "fce_jax_library": fce_logprobs("fce_jax", "library"),
             "fce_jax_none": fce_none_rows("fce_jax"), "jax_naive": naive_logprobs}
 
 
@@ -96,7 +98,7 @@ def fwd_bwd_rows(rows: Callable) -> Callable:
 # --- fused linear CPO -----------------------------------------------------------------------------------
 
 
-def fce_cpo(settings: Settings, beta: float, alpha: float, engine: str = "library") -> Loss:
+def fce_cpo(settings: Settings, beta: float, alpha: float, engine: str = "auto") -> Loss:
     fused_cpo_loss = guarded_import("fce_jax", "fused_cpo_loss")
     return lambda x, w, t: fused_cpo_loss(x, w, t, beta=beta, alpha=alpha, engine=engine)
 
@@ -115,7 +117,8 @@ def trl_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
     return loss
 
 
-CPO = {"fce_jax": fce_cpo, "fce_jax_fused": functools.partial(fce_cpo, engine="fused"), "trl_jax": trl_cpo}
+CPO = {"fce_jax": fce_cpo, "fce_jax_fused": functools.partial(fce_cpo, engine="fused"),
+       "fce_jax_library": functools.partial(fce_cpo, engine="library"), "trl_jax": trl_cpo}
 
 
 # --- inputs ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # --- fused linear cross-entropy -------------------------------------------------------------------------
 
 
-def fce(settings: Settings, engine: str = "library") -> Loss:
+def fce(settings: Settings, engine: str = "auto") -> Loss:
     fused_lce = guarded_import("fce_torch", "fused_lce")
     return lambda x, w, t: fused_lce(x, w, t, engine=engine)
 
@@ -71,6 +71,7 @@ def naive(settings: Settings) -> Loss:
 FLCE = {
     "fce_torch": fce,
     "fce_torch_fused": functools.partial(fce, engine="fused"),
+    "fce_torch_library": functools.partial(fce, engine="library"),
     "fce_torch_fused_graph": fce_graph,
     "liger": liger,
     "liger_fp32": functools.partial(liger, accum_fp32=True),
@@ -167,6 +168,7 @@ def naive_logprobs(settings: Settings):
 
 
 LOGPROBS = {"fce_torch": fce_logprobs("fce_torch"), "fce_torch_fused": fce_logprobs("fce_torch", "fused"),
+            "fce_torch_library": fce_logprobs("fce_torch", "library"),
             "fce_torch_none": fce_none_rows("fce_torch"),
             "torch_naive": naive_logprobs}
 
@@ -186,7 +188,7 @@ def fwd_bwd_rows(rows: Callable, g: torch.Tensor, h: torch.Tensor) -> Callable:
 # --- fused linear CPO -----------------------------------------------------------------------------------
 
 
-def fce_cpo(settings: Settings, beta: float, alpha: float, engine: str = "library") -> Loss:
+def fce_cpo(settings: Settings, beta: float, alpha: float, engine: str = "auto") -> Loss:
     fused_cpo_loss = guarded_import("fce_torch", "fused_cpo_loss")
     return lambda x, w, t: fused_cpo_loss(x, w, t, beta=beta, alpha=alpha, engine=engine)
 
@@ -214,7 +216,8 @@ def trl_cpo(settings: Settings, beta: float, alpha: float) -> Loss:
     return loss
 
 
-CPO = {"fce_torch": fce_cpo, "fce_torch_fused": functools.partial(fce_cpo, engine="fused"), "liger": liger_cpo,
+CPO = {"fce_torch": fce_cpo, "fce_torch_fused": functools.partial(fce_cpo, engine="fused"),
+       "fce_torch_library": functools.partial(fce_cpo, engine="library"), "liger": liger_cpo,
        "trl_torch": trl_cpo}
 
 

@@ -5,11 +5,12 @@ random batch, forward + backward + ``torch.optim.AdamW`` for ``STEPS`` steps, ea
 - ``hf_stock``:  ``model(input_ids, labels=input_ids).loss`` (bf16 logits, upcast, ``F.cross_entropy``);
 - ``liger``:     the decoder's hidden states into ``LigerForCausalLMLoss``, the call Liger's patched
                  ``forward`` makes (done directly, so no class is monkey-patched for the runs after it);
-- ``fce_torch``: the model patched by ``fce_torch.hf.patch(model)``, then ``model(input_ids, labels=...)``;
-  ``fce_torch_fused``: the same with ``engine="fused"``.
+- ``fce_torch``: the model patched by ``fce_torch.hf.patch(model)``, then ``model(input_ids, labels=...)``
+  (the default engine, "auto"); ``fce_torch_fused`` and ``fce_torch_library``: the same with that engine.
 JAX: the same architecture in ``bench.llama_jax`` with a plain full-logits loss (``jax_naive``: bf16 logits,
 as HF does; ``jax_f32_logits``: float32 logits, the precision fce keeps, to tell a logits-precision drift of
-the curve from an error) vs ``fce_jax`` (and ``fce_jax_fused``, ``engine="fused"``). ``--model`` picks models.
+the curve from an error) vs ``fce_jax`` (and ``fce_jax_fused``, ``fce_jax_library``: that engine). ``--model`` picks
+models.
 
 Per run: median step time after ``WARM`` steps (tokens/s), peak memory (torch: ``max_memory_allocated`` over
 the run, weights and optimizer included; JAX: the compiled step's arguments + outputs - aliased + temp), the
@@ -117,7 +118,7 @@ def _liger(model):
     return loss
 
 
-def _fce(model, engine="library"):
+def _fce(model, engine="auto"):
     guarded_import("fce_torch.hf", "patch")(model, engine=engine)  # in place: this instance's forward only
     return lambda ids: model(input_ids=ids, labels=ids).loss
 
@@ -128,8 +129,10 @@ def _body(model):
 
 
 TORCH = {"hf_stock": _stock, "liger": _liger, "fce_torch": _fce,
-         "fce_torch_fused": functools.partial(_fce, engine="fused")}
-JAX = ("jax_naive", "jax_f32_logits", "fce_jax", "fce_jax_fused")
+         "fce_torch_fused": functools.partial(_fce, engine="fused"),
+         "fce_torch_library": functools.partial(_fce, engine="library")}
+FCE_JAX = {"fce_jax": "auto", "fce_jax_fused": "fused", "fce_jax_library": "library"}  # impl: engine
+JAX = ("jax_naive", "jax_f32_logits", *FCE_JAX)
 
 
 def _torch_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Settings,
@@ -181,9 +184,8 @@ def _jax_loss(cfg, impl: str, attention: str):
     if impl == ABLATION:
         return lambda params, ids: jnp.mean(jnp.square(
             llama_jax.hidden_states(params, ids, cfg, attention).astype(jnp.float32)))
-    if impl in ("fce_jax", "fce_jax_fused"):
-        lce = functools.partial(guarded_import("fce_jax", "fused_lce"),
-                                engine="fused" if impl == "fce_jax_fused" else "library")
+    if impl in FCE_JAX:
+        lce = functools.partial(guarded_import("fce_jax", "fused_lce"), engine=FCE_JAX[impl])
     else:
         lce = llama_jax.plain_lce_f32 if impl == "jax_f32_logits" else llama_jax.plain_lce
     return llama_jax.lm_loss(cfg, lce, attention)

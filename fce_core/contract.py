@@ -52,18 +52,26 @@ FUSED_SOFTCAP_WITH_SMOOTHING = 43.0
 FUSED_SOFTCAP_WITH_SMOOTHING_F16 = 4.8
 
 
-def check_engine(engine, *, label_smoothing=0.0, softcap=None, dtype="float32") -> None:
-    """`engine` is "library" or "fused"; the fused engine takes label smoothing only under a softcap of at most
-    FUSED_SOFTCAP_WITH_SMOOTHING (float16 inputs, whose tile values are float16: FUSED_SOFTCAP_WITH_SMOOTHING_F16).
-    docs/NUMERICS.md, "The fused engine"."""
+def resolve_engine(engine, *, label_smoothing=0.0, softcap=None, dtype="float32", gpu=True) -> str:
+    """The engine that runs a call: `engine` itself where it is "library" or "fused", and for "auto" the fused
+    engine where it applies and is measured (16-bit inputs on a GPU, options it takes), else the library one.
+
+    - The fused engine takes label smoothing only under a softcap of at most FUSED_SOFTCAP_WITH_SMOOTHING
+      (float16 inputs, whose tile values are float16: FUSED_SOFTCAP_WITH_SMOOTHING_F16); asked for by name
+      beyond it, it is a ValueError (docs/NUMERICS.md, "The fused engine").
+    - "auto" keeps the library engine for float32 inputs, whose fused GEMMs (IEEE float32 in Triton and
+      Pallas) have not been timed against cuBLAS's and XLA's, and off the GPU (`gpu` False), where the
+      interpreters would run the fused engine's GEMMs and the library's are the CPU's own."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine != "fused":
-        return
     limit = FUSED_SOFTCAP_WITH_SMOOTHING_F16 if dtype == "float16" else FUSED_SOFTCAP_WITH_SMOOTHING
-    if label_smoothing > 0 and softcap is not None and softcap > limit:
+    fused_takes = not (label_smoothing > 0 and softcap is not None and softcap > limit)
+    if engine == "auto":
+        return "fused" if fused_takes and gpu and dtype in ("bfloat16", "float16") else "library"
+    if engine == "fused" and not fused_takes:
         raise ValueError(f'engine="fused" takes label_smoothing with a softcap of at most {limit} for {dtype} '
                          f'inputs, got softcap={softcap}; use engine="library"')
+    return engine
 
 
 def check_cpo_options(loss_type, beta, alpha, label_smoothing, loss_types) -> None:

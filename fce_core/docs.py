@@ -2,10 +2,13 @@
 decorator that assembles a function's docstring from them and its framework's own parts."""
 
 ENGINE_ARG = """\
-    engine: "library" (default: a library logits GEMM into float32 logits, then our row passes) or "fused"
-        (our logits GEMM with the row statistics in its epilogue, storing 16-bit exp-scaled tile values
-        instead of float32 logits: less memory; vocab-parallel too). Both compute the same math within
-        SPEC's bounds; their bits differ (docs/NUMERICS.md, "The fused engine").
+    engine: "auto" (default), "fused" or "library". "fused": our logits GEMM with the row statistics in its
+        epilogue, storing 16-bit exp-scaled tile values instead of float32 logits, and our dX / dW GEMMs
+        (less memory; the twins bitwise equal; vocab-parallel too). "library": a library logits GEMM into
+        float32 logits, then our row passes. "auto" is "fused" for bfloat16 / float16 inputs on a GPU where
+        the fused engine takes the options (label smoothing under a softcap of at most 43, 4.8 for float16),
+        else "library" (float32 inputs, the CPU). Both compute the same math within SPEC's bounds; their
+        bits differ (docs/NUMERICS.md, "The fused engine").
 """
 
 FLCE_SUMMARY = """Fused linear cross-entropy: ``cross_entropy(x @ weight.T + bias, targets)`` without the logits."""

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 MEAN, SUM, NONE = 0, 1, 2
 MODES = {"mean": MEAN, "sum": SUM, "none": NONE}
 LOSS_TYPES = {"sigmoid": 0, "hinge": 1, "ipo": 2, "simpo": 3}
-ENGINES = ("library", "fused")
+ENGINES = ("auto", "library", "fused")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from fce_core import docs
-from fce_core.contract import check_engine, check_normalizer, check_options
+from fce_core.contract import check_normalizer, check_options, resolve_engine
 from fce_core.docs import doc
 from fce_core.options import FlceOptions
 from fce_core.sweeps import reduced
@@ -14,6 +14,7 @@ from . import arrays, sharding
 from .autodiff import precomputed, recompute
 from .checks import check_tensors, check_values, check_vocab_shard
 from .flce import rows_backward, rows_forward, run_precomputed
+from .kernels.launch import interpret_mode
 from .sums import pairwise_sum
 
 F32 = jnp.float32
@@ -43,12 +44,13 @@ def match_axes(x, y, *params):
 
 def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                  z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
-                 token_scaling=False, chunk_rows=None, engine="library"):
+                 token_scaling=False, chunk_rows=None, engine="auto"):
     """Checks, then (loss, z rows, lse, correct, amax) over the flattened rows, differentiable in x, weight
     and bias."""
     check_options(reduction, label_smoothing, z_loss, softcap)
     hidden, vocab = check_tensors(x, weight, targets, bias, class_weights)
-    check_engine(engine, label_smoothing=label_smoothing, softcap=softcap, dtype=jnp.dtype(x.dtype).name)
+    engine = resolve_engine(engine, label_smoothing=label_smoothing, softcap=softcap, dtype=jnp.dtype(x.dtype).name,
+                            gpu=not interpret_mode())
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index, class_weights)
     opt = FlceOptions(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
@@ -85,7 +87,7 @@ inputs follow ``jax_default_matmul_precision`` (IEEE float32 when unset).""",
     targets and non-finite class weights when their values are concrete (not traced).""")
 def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
               z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
-              token_scaling=False, return_stats=False, chunk_rows=None, engine="library"):
+              token_scaling=False, return_stats=False, chunk_rows=None, engine="auto"):
     kw = dict(bias=bias, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
               z_loss=z_loss, softcap=softcap, class_weights=class_weights, normalizer=normalizer,
               token_scaling=token_scaling, chunk_rows=chunk_rows, engine=engine)

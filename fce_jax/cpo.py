@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_cpo_options, check_engine, check_pair_batch
+from fce_core.contract import check_cpo_options, check_pair_batch, resolve_engine
 from fce_core.options import LOSS_TYPES, CpoOptions, FlceOptions
 from fce_core.plan import pair_order, plan_pairs
 
@@ -21,6 +21,7 @@ from .checks import check_tensors, check_values, check_vocab_shard, describe
 from .engine import Head, sweep
 from .kernels import cpo_pairs
 from .kernels.flce_head import flce_head
+from .kernels.launch import interpret_mode
 from .sums import pairwise_sum
 from .vocab_parallel import comm_for
 
@@ -87,7 +88,7 @@ def run_cpo(static, x, w, bias, y, *, grads):
     out-of-range targets when they are concrete.""")
 def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
                    loss_type="sigmoid", simpo_gamma=0.5, average_log_prob=None, vocab_parallel=None,
-                   return_stats=False, chunk_rows=None, engine="library"):
+                   return_stats=False, chunk_rows=None, engine="auto"):
     check_cpo_options(loss_type, beta, alpha, label_smoothing, LOSS_TYPES)
     check_pair_batch(describe(x))
     mesh_layout = sharding.layout(x, weight, targets, rows_may_split=False) if vocab_parallel is None else None
@@ -102,7 +103,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         return sharding.run(mesh_layout, call, (x, weight, targets, bias),
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (P(), stats_spec) if return_stats else P())
-    check_engine(engine)
+    engine = resolve_engine(engine, dtype=jnp.dtype(x.dtype).name, gpu=not interpret_mode())
     _, vocab = check_tensors(x, weight, targets, bias)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)

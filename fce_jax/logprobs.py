@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_engine, check_softcap, check_temperature
+from fce_core.contract import check_softcap, check_temperature, resolve_engine
 from fce_core.options import LogprobOptions
 from fce_core.sweeps import logprob_setup
 
@@ -18,6 +18,7 @@ from . import arrays
 from .engine import sweep
 from .kernels.grad_gemms import accumulates_pair
 from .kernels.grad_scale import as_grad
+from .kernels.launch import interpret_mode
 from .kernels.logprob_head import logprob_head
 from .vocab_parallel import comm_for
 
@@ -55,7 +56,7 @@ custom VJP whose backward sweeps again with the cotangents of both outputs).""",
 """, returns=docs.LOGPROBS_RETURNS, raises="""ValueError: naming the argument, for shape/dtype mismatches,
     bad options, and out-of-range targets when they are concrete.""")
 def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, softcap=None, temperature=1.0,
-                         return_entropy=False, vocab_parallel=None, chunk_rows=None, engine="library"):
+                         return_entropy=False, vocab_parallel=None, chunk_rows=None, engine="auto"):
     check_softcap(softcap)
     check_temperature(temperature)
     mesh_layout = sharding.layout(x, weight, targets) if vocab_parallel is None else None
@@ -67,7 +68,7 @@ def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, so
         return sharding.run(mesh_layout, call, (x, weight, targets, bias),
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (rows, rows) if return_entropy else rows)
-    check_engine(engine)
+    engine = resolve_engine(engine, dtype=jnp.dtype(x.dtype).name, gpu=not interpret_mode())
     hidden, vocab = check_tensors(x, weight, targets, bias)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)

@@ -3,7 +3,7 @@ Twin: fce_jax/api.py."""
 import torch
 
 from fce_core import docs
-from fce_core.contract import check_engine, check_normalizer, check_options
+from fce_core.contract import check_normalizer, check_options, resolve_engine
 from fce_core.docs import doc
 from fce_core.sweeps import reduced
 
@@ -47,14 +47,15 @@ def requires_grad(*tensors):
 
 def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                  z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
-                 token_scaling=False, validate=True, chunk_rows=None, engine="library", lse_grad=False):
+                 token_scaling=False, validate=True, chunk_rows=None, engine="auto", lse_grad=False):
     """Checks, then (loss, z rows, lse, correct, amax) over the flattened rows, differentiable in x, weight
     and bias (and through lse when `lse_grad`). Shared by `fused_lce` and the drop-ins."""
     check_options(reduction, label_smoothing, z_loss, softcap)
     weight, bias, class_weights, vp_group, vp_offsets = resolve(weight, bias, class_weights, vocab_parallel)
     check_tensors(x, weight, targets, bias, class_weights)
     x2, w, y, b, cw = prepare(x, weight, targets, bias, class_weights)
-    check_engine(engine, label_smoothing=label_smoothing, softcap=softcap, dtype=str(x2.dtype).removeprefix("torch."))
+    engine = resolve_engine(engine, label_smoothing=label_smoothing, softcap=softcap,
+                            dtype=str(x2.dtype).removeprefix("torch."), gpu=x2.is_cuda)
     norm = normalizer_tensor(normalizer, x.device) if reduction == "mean" else None
     args = (x2, w, b, y, cw, norm, int(ignore_index), reduction, float(label_smoothing), float(z_loss),
             None if softcap is None else float(softcap), bool(token_scaling), chunk_rows, engine, bool(validate),
@@ -86,7 +87,7 @@ inputs follow torch's float32 matmul setting (IEEE by default, TF32 when enabled
     non-finite class weights (the last two only when ``validate``).""")
 def fused_lce(x, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
               z_loss=0.0, softcap=None, class_weights=None, normalizer=None, vocab_parallel=None,
-              token_scaling=False, return_stats=False, validate=True, chunk_rows=None, engine="library"):
+              token_scaling=False, return_stats=False, validate=True, chunk_rows=None, engine="auto"):
     lead = tuple(targets.shape) if isinstance(targets, torch.Tensor) else ()
     loss, zrow, lse, correct, amax = flce_outputs(
         x, weight, targets, bias=bias, ignore_index=ignore_index, reduction=reduction,

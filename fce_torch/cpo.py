@@ -11,7 +11,7 @@ import torch
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_cpo_options, check_engine, check_pair_batch
+from fce_core.contract import check_cpo_options, check_pair_batch, resolve_engine
 from fce_core.options import LOSS_TYPES, CpoOptions, FlceOptions
 from fce_core.plan import bounds, pair_order, plan_pairs
 
@@ -133,15 +133,15 @@ under ``torch.compile`` (``fullgraph=True`` too).""", raises="""ValueError: nami
     shape/dtype mismatches, bad options, out-of-range targets.""")
 def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
                    loss_type="sigmoid", simpo_gamma=0.5, average_log_prob=None, vocab_parallel=None,
-                   return_stats=False, validate=True, chunk_rows=None, engine="library"):
+                   return_stats=False, validate=True, chunk_rows=None, engine="auto"):
     check_cpo_options(loss_type, beta, alpha, label_smoothing, LOSS_TYPES)
     check_pair_batch(describe(x))
     weight, bias, _, vp_group, vp_offsets = resolve(weight, bias, None, vocab_parallel)
-    check_engine(engine)
     check_tensors(x, weight, targets, bias)
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")
     x2, w, y, b, _ = prepare(x, weight, targets, bias)
+    engine = resolve_engine(engine, dtype=str(x2.dtype).removeprefix("torch."), gpu=x2.is_cuda)
     needs = [requires_grad(x2), requires_grad(w), b is not None and requires_grad(b)]
     loss, logp_c, logp_r, reward_c, reward_r, nll = cpo(
         x2, w, b, y, x.shape[1], int(ignore_index), float(beta), float(alpha), float(label_smoothing), loss_type,

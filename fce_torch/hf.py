@@ -75,7 +75,7 @@ def is_patched(model) -> bool:
     return hasattr(model.__dict__.get("forward"), _MARK)
 
 
-def patch(model, *, strict: bool = True, validate: bool = True, chunk_rows=None, engine: str = "library"):
+def patch(model, *, strict: bool = True, validate: bool = True, chunk_rows=None, engine: str = "auto"):
     """Make ``model`` compute its ``labels`` loss with `fused_lce` (in place); returns ``model``.
 
     Args:
@@ -85,7 +85,7 @@ def patch(model, *, strict: bool = True, validate: bool = True, chunk_rows=None,
             model of that structure is accepted, on the caller's word that its forward is the standard one.
         validate: passed to `fused_lce` (checks that labels are in ``[0, V)`` or ignored; one host sync).
         chunk_rows: passed to `fused_lce`.
-        engine: passed to `fused_lce` ("library" or "fused"; ValueError for another).
+        engine: passed to `fused_lce` ("auto", "library" or "fused"; ValueError for another).
 
     Patching twice is a no-op. The loss semantics are described in the module docstring.
     """

@@ -8,7 +8,7 @@ import torch
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_engine, check_softcap, check_temperature
+from fce_core.contract import check_softcap, check_temperature, resolve_engine
 from fce_core.options import LogprobOptions
 from fce_core.sweeps import logprob_setup
 
@@ -101,14 +101,14 @@ both; without gradients only the forward rows are computed (one GEMM per chunk).
     options or out-of-range targets (the last only when ``validate``).""")
 def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, softcap=None, temperature=1.0,
                          return_entropy=False, vocab_parallel=None, validate=True, chunk_rows=None,
-                         engine="library"):
+                         engine="auto"):
     check_softcap(softcap)
     check_temperature(temperature)
     weight, bias, _, vp_group, vp_offsets = resolve(weight, bias, None, vocab_parallel)
-    check_engine(engine)
     check_tensors(x, weight, targets, bias)
     lead = tuple(targets.shape)
     x2, w, y, b, _ = prepare(x, weight, targets, bias)
+    engine = resolve_engine(engine, dtype=str(x2.dtype).removeprefix("torch."), gpu=x2.is_cuda)
     args = (x2, w, b, y, int(ignore_index), None if softcap is None else float(softcap), float(temperature),
             chunk_rows, engine, bool(validate), vp_group, vp_offsets, bool(return_entropy))
     logp, entropy = logprobs(*args)

@@ -186,6 +186,12 @@ class LogprobCase:
                 "db": self.dtype if self.bias else None}
 
 
+def call_options(case) -> dict:
+    """A case's ``options()`` with its engine always named, for the twins' calls: their default ("auto") picks an
+    engine by device and dtype, and a case runs the one it names."""
+    return {**case.options(), "engine": case.engine}
+
+
 def _head(g, shape, h, v, dtype, logit_scale):
     """x, weight and uniform targets (not yet ignored), drawn from generator ``g``."""
     x = torch.randn(*shape, h, generator=g).to(torch_dtype(dtype))

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .bridge import same_memory, targets_to_jax, to_jax, to_torch
-from .cases import IGNORE_INDEX
+from .cases import IGNORE_INDEX, call_options
 from .measures import bitwise_equal, dtype_name
 
 __all__ = ["IMPLS", "TWINS", "OPS", "Impl", "ImplResult", "load_impls", "liger_support", "run_impl", "set_runs"]
@@ -109,7 +109,7 @@ def _grad(t):
 
 def _call_options(case, class_weights) -> dict:
     """The case's keyword arguments for the twins (tensors other than the bias included)."""
-    kw = dict(case.options())
+    kw = call_options(case)
     if case.kind == "flce":
         kw["class_weights"] = class_weights
     if case.kind == "logprobs":

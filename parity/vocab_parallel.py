@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cases import Case, LogprobCase, case_inputs, torch_dtype
+from .cases import Case, LogprobCase, call_options, case_inputs, torch_dtype
 from .environment import precision_for
 from .impls import ImplResult, set_runs
 from .measures import dtype_name
@@ -98,12 +98,12 @@ def _torch_case(rank, size, case, inp) -> dict:
     vp = fce_torch.VocabParallel()
     if case.kind == "logprobs":
         logp, ent = fce_torch.fused_token_logprobs(x, w, inp["targets"], bias=b, return_entropy=True,
-                                                   vocab_parallel=vp, **case.options())
+                                                   vocab_parallel=vp, **call_options(case))
         (logp * inp["grad_logp"] + ent * inp["grad_entropy"]).sum().backward()
         out = {"logp": logp, "entropy": ent}
     else:
         loss = fce_torch.fused_lce(x, w, inp["targets"], bias=b, class_weights=_shard(inp["class_weights"], rank,
-                                   size), vocab_parallel=vp, **case.options())
+                                   size), vocab_parallel=vp, **call_options(case))
         loss.backward(torch.ones_like(loss) if inp["grad_loss"] is None else inp["grad_loss"])
         out = {"loss": loss}
     return {k: v.detach() for k, v in {**out, "dx": x.grad, "dw": w.grad, "db": None if b is None else b.grad}.items()
@@ -146,7 +146,7 @@ def _jax_program(case, inp, size):
 
         def objective(x, w, b):
             logp, ent = fce_jax.fused_token_logprobs(x, w, y, bias=b, return_entropy=True, vocab_parallel=vp,
-                                                     **case.options())
+                                                     **call_options(case))
             return jnp.sum(logp * g + ent * h), {"logp": logp, "entropy": ent}
     else:
         cw, cot = arr(inp["class_weights"]), arr(inp["grad_loss"])
@@ -154,7 +154,7 @@ def _jax_program(case, inp, size):
         def objective(x, w, b):
             n = w.shape[0]  # this device's shard of the replicated class weights
             local = None if cw is None else jax.lax.dynamic_slice_in_dim(cw, jax.lax.axis_index("model") * n, n)
-            out = fce_jax.fused_lce(x, w, y, bias=b, class_weights=local, vocab_parallel=vp, **case.options())
+            out = fce_jax.fused_lce(x, w, y, bias=b, class_weights=local, vocab_parallel=vp, **call_options(case))
             return jnp.sum(out * (1.0 if cot is None else cot)), {"loss": out}
 
     def body(x, w, b):

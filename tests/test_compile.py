@@ -1,6 +1,8 @@
 """torch.compile (docs/SPEC.md §1): the three losses and the HF hook under ``fullgraph=True`` with no graph
 break, bitwise equal to eager, forward and gradients. On the CPU with the aot_eager backend (and once with
 inductor); on a GPU with inductor."""
+import functools
+
 import pytest
 import torch
 
@@ -21,12 +23,14 @@ def _inputs(device, dtype=torch.float32, seed=0):
 
 
 LOSSES = {
-    "mean_stats": lambda x, w, b, y: fce_torch.fused_lce(x, w, y, bias=b, z_loss=1e-4, label_smoothing=0.1,
-                                                         return_stats=True, chunk_rows=8),
-    "none": lambda x, w, b, y: fce_torch.fused_lce(x, w, y, bias=b, reduction="none", softcap=20.0, chunk_rows=8),
-    "logprobs": lambda x, w, b, y: fce_torch.fused_token_logprobs(x, w, y, bias=b, temperature=0.8,
-                                                                  return_entropy=True, chunk_rows=8),
-    "cpo": lambda x, w, b, y: fce_torch.fused_cpo_loss(x.view(2, 18, -1), w, y.view(2, 18), bias=b, chunk_rows=8),
+    "mean_stats": lambda x, w, b, y, **kw: fce_torch.fused_lce(x, w, y, bias=b, z_loss=1e-4, label_smoothing=0.1,
+                                                               return_stats=True, chunk_rows=8, **kw),
+    "none": lambda x, w, b, y, **kw: fce_torch.fused_lce(x, w, y, bias=b, reduction="none", softcap=20.0,
+                                                         chunk_rows=8, **kw),
+    "logprobs": lambda x, w, b, y, **kw: fce_torch.fused_token_logprobs(x, w, y, bias=b, temperature=0.8,
+                                                                        return_entropy=True, chunk_rows=8, **kw),
+    "cpo": lambda x, w, b, y, **kw: fce_torch.fused_cpo_loss(x.view(2, 18, -1), w, y.view(2, 18), bias=b,
+                                                             chunk_rows=8, **kw),
 }
 
 
@@ -57,11 +61,15 @@ def test_no_graph_break(device):
 
 
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_fullgraph_bitwise_equal_to_eager(device, loss):
-    tensors = _inputs(device)
-    eager = _run(LOSSES[loss], tensors)
+@pytest.mark.parametrize("engine", ["default", "fused"])
+def test_fullgraph_bitwise_equal_to_eager(device, loss, engine):
+    """Each loss on its default engine (float32 inputs: the library one) and on the fused engine (bfloat16)."""
+    fused = engine == "fused"
+    tensors = _inputs(device, torch.bfloat16 if fused else torch.float32)
+    fn = functools.partial(LOSSES[loss], engine="fused") if fused else LOSSES[loss]
+    eager = _run(fn, tensors)
     torch._dynamo.reset()
-    compiled = _run(torch.compile(LOSSES[loss], fullgraph=True, backend=_backend(device)), tensors)
+    compiled = _run(torch.compile(fn, fullgraph=True, backend=_backend(device)), tensors)
     assert len(eager) == len(compiled)
     for a, b in zip(eager, compiled):
         assert a.dtype == b.dtype and torch.equal(a, b)

@@ -3,7 +3,7 @@
 The fused engine computes the logits with our own GEMM, whose epilogue keeps per-(row, tile) statistics and
 stores exp-scaled 16-bit tile values instead of float32 logits (fce_*/kernels/logit_tiles.py, merged by
 `merge_tiles`), then rewrites those values into dZ (fce_*/kernels/tile_dlogits.py); `fce_core.plan.fused_rows`
-plans its chunks and `fce_core.contract.check_engine` its refusals.
+plans its chunks and `fce_core.contract.resolve_engine` its refusals.
 
 - every option of SPEC §1 on the fused engine (each dtype, V not a multiple of the interpreter's tile width
   ``GEMM_INTERPRETER.tile_n`` = 32 and V below it, one row, all rows ignored, huge logits, 3-D x, bias, class
@@ -17,7 +17,7 @@ plans its chunks and `fce_core.contract.check_engine` its refusals.
   coefficient rows, elementwise within the rounding of e and of dZ). Their inputs lie on a coarse binary grid
   so that the float32 GEMM is exact: m, zy and the argmax (planted ties across and within tiles) compare
   exactly; and that fused_lce's engine="fused" runs them (its stages hold tile values, not float32 logits);
-- bad input (an unknown engine, the refused softcap with label smoothing, through `check_engine`) and
+- bad input (an unknown engine, the refused softcap with label smoothing: tests/test_engine_choice.py too) and
   determinism (two runs, two compilations in JAX, give the same bits). Vocab-parallel: tests/dist_*.py.
 
 """
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from fce_core.config import GEMM_INTERPRETER
-from fce_core.contract import FUSED_SOFTCAP_WITH_SMOOTHING, FUSED_SOFTCAP_WITH_SMOOTHING_F16, check_engine
+from fce_core.contract import FUSED_SOFTCAP_WITH_SMOOTHING, FUSED_SOFTCAP_WITH_SMOOTHING_F16
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_core.plan import layout, plan_rows
@@ -851,25 +851,6 @@ def test_fused_refuses_large_softcap_with_smoothing(twin, dtype, softcap):
     with pytest.raises(ValueError, match="softcap") as info:
         twin.call(x, w, t, engine="fused", softcap=softcap, label_smoothing=0.1)
     assert "engine" in str(info.value)
-
-
-def test_check_engine():
-    """The contract's engine checks: the names, and the fused engine's softcap limit with label smoothing (none
-    without smoothing or without a softcap)."""
-    for engine in ("library", "fused"):
-        check_engine(engine)
-        check_engine(engine, label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING)
-        check_engine(engine, label_smoothing=0.0, softcap=1000.0)
-        check_engine(engine, label_smoothing=1.0, softcap=None)
-    check_engine("library", label_smoothing=0.1, softcap=50.0)
-    with pytest.raises(ValueError, match="softcap"):
-        check_engine("fused", label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING * 1.0001)
-    check_engine("fused", label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING_F16, dtype="float16")
-    with pytest.raises(ValueError, match="softcap"):
-        check_engine("fused", label_smoothing=0.1, softcap=FUSED_SOFTCAP_WITH_SMOOTHING_F16 * 1.0001,
-                     dtype="float16")
-    with pytest.raises(ValueError, match="engine"):
-        check_engine("v2")
 
 
 # ============================================================================ 4. determinism
