@@ -184,8 +184,9 @@ GEMM_SHORT = dataclasses.replace(GEMM, num_stages=4)
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
 # The JAX twin's logits GEMM on Pallas Mosaic GPU (two compute warpgroups of 64 rows, TMA, persistent): opt-in.
-# Its first call on the H200 did not return within 129 s (bench/results/nvidia-h200/op-after-shuffles/): a compile
-# of minutes or a kernel that does not terminate, not found yet; not to be enabled until it is.
+# It hung on the H200 until a cross-warpgroup race in its epilogue was removed; since then it returns on the H100,
+# slower than the Triton lowering's kernel and not bitwise with q / pz, a temperature with a bias, or class
+# weights (bench/results/nvidia-h100/engine-v2-flags/): not to be enabled.
 GEMM_MOSAIC = dataclasses.replace(GEMM, tma=True, persistent=True, mosaic=True)
 GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GEMM_INTERPRETER, tile_m=128, num_stages=2, tma=True, persistent=True,
                                               mosaic=True)

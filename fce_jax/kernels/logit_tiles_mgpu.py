@@ -1,8 +1,9 @@
 """The fused engine's logits GEMM with its statistics epilogue (logit_tiles.py) on Pallas Mosaic GPU, for
 16-bit operands: TMA loads, a warp-specialized wgmma pipeline, persistent programs. Opt-in
-(`GemmConfig.mosaic`), and not to be enabled: its first call on the H200 did not return within 129 s
-(bench/results/nvidia-h200/op-after-shuffles/), cause not found. The same bits as the Triton lowering's kernel
-and fce_torch's, by construction:
+(`GemmConfig.mosaic`), and not to be enabled: on the H100 it is slower than the Triton lowering's kernel, and its
+bits differ there with q and pz, a temperature with a bias, or class weights (bench/results/nvidia-h100/
+engine-v2-flags/; it hung on the H200 before a race in its epilogue was removed). The same bits as the Triton
+lowering's kernel and fce_torch's by construction, except where LLVM contracts a product into a sum (NUMERICS):
 
 - the products: K ascending in whole tile_k steps, as every tiling gives them (docs/NUMERICS.md);
 - the max, the argmax (a min over column indices) and the target logit (a max over one column) are exact in
