@@ -1,14 +1,16 @@
 """The parts of the public docstrings that are the same in both twins (the contract, docs/SPEC.md), and the
 decorator that assembles a function's docstring from them and its framework's own parts."""
+from .contract import FUSED_SOFTCAP_WITH_SMOOTHING, FUSED_SOFTCAP_WITH_SMOOTHING_F16
 
-ENGINE_ARG = """\
+ENGINE_ARG = f"""\
     engine: "auto" (default), "fused" or "library". "fused": our logits GEMM with the row statistics in its
         epilogue, storing 16-bit exp-scaled tile values instead of float32 logits, and our dX / dW GEMMs
         (less memory; the twins bitwise equal; vocab-parallel too). "library": a library logits GEMM into
         float32 logits, then our row passes. "auto" is "fused" for bfloat16 / float16 inputs on a GPU where
-        the fused engine takes the options (label smoothing under a softcap of at most 43, 4.8 for float16),
-        else "library" (float32 inputs, on which the fused engine is 24-46x slower; the CPU). Both compute the
-        same math within SPEC's bounds; their bits differ (docs/NUMERICS.md, "The fused engine").
+        the fused engine takes the options (label smoothing under a softcap of at most {FUSED_SOFTCAP_WITH_SMOOTHING:g},
+        {FUSED_SOFTCAP_WITH_SMOOTHING_F16:g} for float16), else "library" (float32 inputs, on which the fused engine is
+        24-46x slower; the CPU). Both compute the same math within SPEC's bounds; their bits differ
+        (docs/NUMERICS.md, "The fused engine").
 """
 
 FLCE_SUMMARY = """Fused linear cross-entropy: ``cross_entropy(x @ weight.T + bias, targets)`` without the logits."""
