@@ -181,6 +181,13 @@ GEMM = GemmConfig()
 # at 16384x2048 (bench/results/nvidia-h100/engine-v2-flags/), so longer chunks keep GEMM and GRAD_GEMM_MOSAIC.
 SHORT_ROWS = 256
 GEMM_SHORT = dataclasses.replace(GEMM, num_stages=4)
+
+
+def short(rows):
+    """Whether a chunk of `rows` rows (None: not known) takes the launches for few rows."""
+    return rows is not None and rows <= SHORT_ROWS
+
+
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
 # The JAX twin's logits GEMM on Pallas Mosaic GPU (two compute warpgroups of 64 rows, TMA, persistent): opt-in.

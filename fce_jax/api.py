@@ -5,16 +5,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from fce_core import docs
-from fce_core.contract import check_normalizer, check_options, resolve_engine
+from fce_core.contract import check_normalizer, check_options
 from fce_core.docs import doc
 from fce_core.options import FlceOptions
 from fce_core.sweeps import reduced
 
 from . import arrays, sharding
 from .autodiff import precomputed, recompute
-from .checks import check_tensors, check_values, check_vocab_shard
+from .checks import check_tensors, check_values, check_vocab_shard, engine_for
 from .flce import rows_backward, rows_forward, run_precomputed
-from .kernels.launch import interpret_mode
 from .sums import pairwise_sum
 
 F32 = jnp.float32
@@ -49,8 +48,7 @@ def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction=
     and bias."""
     check_options(reduction, label_smoothing, z_loss, softcap)
     hidden, vocab = check_tensors(x, weight, targets, bias, class_weights)
-    engine = resolve_engine(engine, label_smoothing=label_smoothing, softcap=softcap, dtype=jnp.dtype(x.dtype).name,
-                            gpu=not interpret_mode())
+    engine = engine_for(engine, x, label_smoothing=label_smoothing, softcap=softcap)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index, class_weights)
     opt = FlceOptions(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),

@@ -4,7 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fce_core.contract import ArrayDesc, check_arrays, class_weights_error, target_error
+from fce_core.contract import ArrayDesc, check_arrays, class_weights_error, resolve_engine, target_error
+
+from .kernels.launch import interpret_mode
 
 
 def describe(a):
@@ -15,6 +17,12 @@ def describe(a):
     kind = ("float" if jnp.issubdtype(dt, jnp.floating) else "complex" if jnp.issubdtype(dt, jnp.complexfloating)
             else "bool" if dt == jnp.bool_ else "int" if jnp.issubdtype(dt, jnp.integer) else "other")
     return ArrayDesc(tuple(a.shape), dt.name, kind)
+
+
+def engine_for(engine, x, **options):
+    """`fce_core.contract.resolve_engine` for a call on x (its dtype; the GPU where kernels are not interpreted)
+    with these options."""
+    return resolve_engine(engine, dtype=describe(x).dtype, gpu=not interpret_mode(), **options)
 
 
 def check_tensors(x, weight, targets, bias=None, class_weights=None):

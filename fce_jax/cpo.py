@@ -10,18 +10,17 @@ from jax.sharding import PartitionSpec as P
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_cpo_options, check_pair_batch, resolve_engine
+from fce_core.contract import check_cpo_options, check_pair_batch
 from fce_core.options import LOSS_TYPES, CpoOptions, FlceOptions
 from fce_core.plan import pair_order, plan_pairs
 
 from . import sharding
 from .api import match_axes
 from .autodiff import precomputed
-from .checks import check_tensors, check_values, check_vocab_shard, describe
+from .checks import check_tensors, check_values, check_vocab_shard, describe, engine_for
 from .engine import Head, sweep
 from .kernels import cpo_pairs
 from .kernels.flce_head import flce_head
-from .kernels.launch import interpret_mode
 from .sums import pairwise_sum
 from .vocab_parallel import comm_for
 
@@ -103,7 +102,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
         return sharding.run(mesh_layout, call, (x, weight, targets, bias),
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (P(), stats_spec) if return_stats else P())
-    engine = resolve_engine(engine, dtype=jnp.dtype(x.dtype).name, gpu=not interpret_mode())
+    engine = engine_for(engine, x)
     _, vocab = check_tensors(x, weight, targets, bias)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)

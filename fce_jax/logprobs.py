@@ -6,19 +6,18 @@ import jax.numpy as jnp
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_softcap, check_temperature, resolve_engine
+from fce_core.contract import check_softcap, check_temperature
 from fce_core.options import LogprobOptions
 from fce_core.sweeps import logprob_setup
 
 from .api import match_axes
 from . import sharding
 from .autodiff import recompute
-from .checks import check_tensors, check_values, check_vocab_shard
+from .checks import check_tensors, check_values, check_vocab_shard, engine_for
 from . import arrays
 from .engine import sweep
 from .kernels.grad_gemms import accumulates_pair
 from .kernels.grad_scale import as_grad
-from .kernels.launch import interpret_mode
 from .kernels.logprob_head import logprob_head
 from .vocab_parallel import comm_for
 
@@ -68,7 +67,7 @@ def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, so
         return sharding.run(mesh_layout, call, (x, weight, targets, bias),
                             (x_spec, sharding.weight_spec(mesh_layout), t_spec, b_spec),
                             (rows, rows) if return_entropy else rows)
-    engine = resolve_engine(engine, dtype=jnp.dtype(x.dtype).name, gpu=not interpret_mode())
+    engine = engine_for(engine, x)
     hidden, vocab = check_tensors(x, weight, targets, bias)
     check_vocab_shard(x, targets, weight, vocab_parallel)
     check_values(targets, vocab if vocab_parallel is None else None, ignore_index)

@@ -3,12 +3,12 @@ Twin: fce_jax/api.py."""
 import torch
 
 from fce_core import docs
-from fce_core.contract import check_normalizer, check_options, resolve_engine
+from fce_core.contract import check_normalizer, check_options
 from fce_core.docs import doc
 from fce_core.sweeps import reduced
 
 from . import arrays
-from .checks import check_tensors
+from .checks import check_tensors, engine_for
 from .flce import flce, flce_rows
 from .sums import pairwise_sum
 from .vocab_parallel import resolve
@@ -54,8 +54,7 @@ def flce_outputs(x, weight, targets, *, bias=None, ignore_index=-100, reduction=
     weight, bias, class_weights, vp_group, vp_offsets = resolve(weight, bias, class_weights, vocab_parallel)
     check_tensors(x, weight, targets, bias, class_weights)
     x2, w, y, b, cw = prepare(x, weight, targets, bias, class_weights)
-    engine = resolve_engine(engine, label_smoothing=label_smoothing, softcap=softcap,
-                            dtype=str(x2.dtype).removeprefix("torch."), gpu=x2.is_cuda)
+    engine = engine_for(engine, x2, label_smoothing=label_smoothing, softcap=softcap)
     norm = normalizer_tensor(normalizer, x.device) if reduction == "mean" else None
     args = (x2, w, b, y, cw, norm, int(ignore_index), reduction, float(label_smoothing), float(z_loss),
             None if softcap is None else float(softcap), bool(token_scaling), chunk_rows, engine, bool(validate),

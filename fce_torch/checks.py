@@ -2,7 +2,7 @@
 values. Twin: fce_jax/checks.py."""
 import torch
 
-from fce_core.contract import ArrayDesc, check_arrays, class_weights_error, target_error
+from fce_core.contract import ArrayDesc, check_arrays, class_weights_error, resolve_engine, target_error
 
 from .kernels.value_flags import value_flags
 
@@ -15,6 +15,11 @@ def describe(t):
     kind = ("float" if dt.is_floating_point else "complex" if dt.is_complex else "bool" if dt == torch.bool
             else "int")
     return ArrayDesc(tuple(t.shape), str(dt).removeprefix("torch."), kind)
+
+
+def engine_for(engine, x, **options):
+    """`fce_core.contract.resolve_engine` for a call on x (its working dtype and device) with these options."""
+    return resolve_engine(engine, dtype=describe(x).dtype, gpu=x.is_cuda, **options)
 
 
 def check_tensors(x, weight, targets, bias=None, class_weights=None):

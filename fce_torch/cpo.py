@@ -11,13 +11,13 @@ import torch
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_cpo_options, check_pair_batch, resolve_engine
+from fce_core.contract import check_cpo_options, check_pair_batch
 from fce_core.options import LOSS_TYPES, CpoOptions, FlceOptions
 from fce_core.plan import bounds, pair_order, plan_pairs
 
 from .api import prepare, requires_grad
 from .autodiff import absent, register_precomputed
-from .checks import ValueCheck, check_tensors, describe
+from .checks import ValueCheck, check_tensors, describe, engine_for
 from .engine import Head, sweep
 from .kernels import cpo_pairs
 from .kernels.fastmath import ASM
@@ -141,7 +141,7 @@ def fused_cpo_loss(x, weight, targets, *, bias=None, ignore_index=-100, beta=0.1
     if average_log_prob is None:
         average_log_prob = loss_type in ("ipo", "simpo")
     x2, w, y, b, _ = prepare(x, weight, targets, bias)
-    engine = resolve_engine(engine, dtype=str(x2.dtype).removeprefix("torch."), gpu=x2.is_cuda)
+    engine = engine_for(engine, x2)
     needs = [requires_grad(x2), requires_grad(w), b is not None and requires_grad(b)]
     loss, logp_c, logp_r, reward_c, reward_r, nll = cpo(
         x2, w, b, y, x.shape[1], int(ignore_index), float(beta), float(alpha), float(label_smoothing), loss_type,

@@ -8,13 +8,13 @@ import torch
 
 from fce_core import docs
 from fce_core.docs import doc
-from fce_core.contract import check_softcap, check_temperature, resolve_engine
+from fce_core.contract import check_softcap, check_temperature
 from fce_core.options import LogprobOptions
 from fce_core.sweeps import logprob_setup
 
 from .api import prepare
 from .autodiff import absent, finish_grads, grads_fake, register_recompute
-from .checks import check_tensors, ValueCheck
+from .checks import check_tensors, engine_for, ValueCheck
 from . import arrays
 from .engine import sweep
 from .kernels.grad_gemms import accumulates_pair
@@ -108,7 +108,7 @@ def fused_token_logprobs(x, weight, targets, *, bias=None, ignore_index=-100, so
     check_tensors(x, weight, targets, bias)
     lead = tuple(targets.shape)
     x2, w, y, b, _ = prepare(x, weight, targets, bias)
-    engine = resolve_engine(engine, dtype=str(x2.dtype).removeprefix("torch."), gpu=x2.is_cuda)
+    engine = engine_for(engine, x2)
     args = (x2, w, b, y, int(ignore_index), None if softcap is None else float(softcap), float(temperature),
             chunk_rows, engine, bool(validate), vp_group, vp_offsets, bool(return_entropy))
     logp, entropy = logprobs(*args)

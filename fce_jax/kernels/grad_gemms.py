@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_SHORT_K, SHORT_ROWS
+from fce_core.config import GRAD_GEMM, GRAD_GEMM_INTERPRETER, GRAD_GEMM_MOSAIC, GRAD_GEMM_MOSAIC_SHORT_K, short
 from fce_core.heads import TileValues
 from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, dx_slices, rows_fast
 
@@ -113,7 +113,7 @@ def _config(a, b, outs=(), k_rows=None):
         return GRAD_GEMM
     if k_rows is not None and k_rows < a.shape[0] and k_rows % GRAD_GEMM_MOSAIC.tile_k:
         return GRAD_GEMM
-    return GRAD_GEMM_MOSAIC_SHORT_K if k_rows is not None and k_rows <= SHORT_ROWS else GRAD_GEMM_MOSAIC
+    return GRAD_GEMM_MOSAIC_SHORT_K if short(k_rows) else GRAD_GEMM_MOSAIC
 
 
 def _run(a, b, m, n, k, *, a_t, mode, outs, reads=(), first=False, precision=None, slices=1, cfg=None):

@@ -8,7 +8,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, SHORT_ROWS, TILE_ROWS
+from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, TILE_ROWS, short
 from fce_core.rows import safe_targets
 
 from .. import arrays
@@ -152,7 +152,7 @@ def gemm_config(cfg=None, rows=None):
         return cfg
     if interpret_mode():
         return GEMM_INTERPRETER
-    return GEMM_SHORT if rows is not None and rows <= SHORT_ROWS else GEMM
+    return GEMM_SHORT if short(rows) else GEMM
 
 
 def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, into=None, row0=0,

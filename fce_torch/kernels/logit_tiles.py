@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, MERGE_ROWS, SHORT_ROWS
+from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, MERGE_ROWS, short
 from fce_core.plan import cdiv
 
 from . import fastmath as fm
@@ -229,7 +229,7 @@ def gemm_config(cfg=None, rows=None):
         return cfg
     if not fm.ASM:
         return GEMM_INTERPRETER
-    return GEMM_SHORT if rows is not None and rows <= SHORT_ROWS else GEMM
+    return GEMM_SHORT if short(rows) else GEMM
 
 
 def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, out=None, store=True, cfg=None):
