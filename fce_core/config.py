@@ -96,6 +96,25 @@ class GemmConfig:
 
 
 @dataclass(frozen=True)
+class PingPongConfig:
+    """fce_torch's logits GEMM on sm_90 for 16-bit operands (fce_torch/kernels/logit_tiles_gluon.py, Gluon): two
+    compute warpgroups taking [tile_m, GemmConfig.tile_n] tiles in turns, K in steps of tile_k through a ring of
+    num_stages, a loader warp; the epilogue's e and sums in `parts` column blocks (a power of two; `parts_q_pz`
+    where the head asks for q or pz: their terms beside e spilled at 2 blocks), each owner's e staged in
+    `e_buffers` of them (dividing both); register counts of the partitions (setmaxnreg). Speed only: the
+    partials' width is GemmConfig.tile_n, as in the Triton kernel."""
+    NUMERICS = ()
+    tile_m: int = 64
+    tile_k: int = 64
+    num_stages: int = 4
+    parts: int = 2
+    parts_q_pz: int = 4
+    e_buffers: int = 1
+    compute_regs: int = 240
+    loader_regs: int = 24
+
+
+@dataclass(frozen=True)
 class GradGemmConfig:
     """The fused engine's dX = dZ W and dW (+)= dZᵀ X GEMMs: output tiles, K ascending in steps of tile_k.
     dX (K = V) of few output tiles is split over V into `fce_core.plan.dx_slices` slices of whole tile_k
@@ -188,6 +207,13 @@ def short(rows):
     return rows is not None and rows <= SHORT_ROWS
 
 
+# fce_torch's logits GEMM for chunks of more than SHORT_ROWS rows where `logit_tiles_gluon.applies` (sm_90, 16-bit
+# operands, raw logits): the ping-pong kernel, one warpgroup's epilogue under the other's wgmma, the Triton kernel's
+# bits. Per chunk on the H100, two calls: 1.50-1.53 ms against 1.60-1.61 at (2048, 2048, 128256), 0.47-0.48
+# against 0.64-0.65 at (768, 640, 262144), 0.54-0.57 against 0.74-0.79 at (1280, 896, 151936), 1.48-1.58 against
+# 1.74-1.76 at (1024, 4096, 128256); at 256 rows no faster, so short chunks keep GEMM_SHORT. In the engine,
+# fwd+bwd 2.7% faster at 16384x2048 and 5.9% at 8192x640 (bench/results/nvidia-h100/logits-pingpong/).
+LOGITS_PINGPONG = PingPongConfig()
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
 # The JAX twin's logits GEMM on Pallas Mosaic GPU (two compute warpgroups of 64 rows, TMA, persistent): opt-in.

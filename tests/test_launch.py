@@ -2,8 +2,9 @@
 on this CPU and launched into tools/host_path.py's stand-in driver, whose launcher calls are recorded. A fused
 fwd+bwd at two shapes (the second of odd sizes, so other alignment and integer specializations), launched through
 `launch.Kernel` once every specialization is compiled, must hand Triton's launcher the same compiled kernels,
-grids and arguments, in the same order, as Triton's own `kernel[grid](...)` does for the same calls. Run in a
-subprocess: the stand-in driver replaces Triton's for the whole process."""
+grids and arguments, in the same order, as Triton's own `kernel[grid](...)` does for the same calls; so must the
+logits GEMM's Gluon kernel (logit_tiles_gluon.py), called directly. Run in a subprocess: the stand-in driver
+replaces Triton's for the whole process."""
 import json
 import os
 import subprocess
@@ -20,7 +21,11 @@ host_path._stub_driver()
 import torch
 import triton.backends.nvidia.driver as nvd
 from triton.tools.tensor_descriptor import TensorDescriptor
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 import fce_torch
+from fce_core.config import GEMM
+from fce_core.heads import StatsSpec
+from fce_torch.kernels import logit_tiles_gluon
 
 calls = []
 
@@ -28,7 +33,7 @@ calls = []
 def described(a):
     if isinstance(a, torch.Tensor):
         return ["tensor", str(a.dtype), list(a.shape), list(a.stride()), a.data_ptr() % 16]
-    if isinstance(a, TensorDescriptor):
+    if isinstance(a, (TensorDescriptor, GluonDescriptor)):
         return ["descriptor", str(a.base.dtype), list(a.shape), list(a.strides), list(a.block_shape)]
     return a if a is None or isinstance(a, (bool, int, float, str)) else repr(a)
 
@@ -48,9 +53,24 @@ def fwd_bwd(n, h, v):
     fce_torch.fused_lce(x, w, y, engine="fused").backward()
 
 
+def pingpong(n, h, v, spec):
+    # the logits GEMM's Gluon kernel, which the engine takes on sm_90 GPUs only: called directly on these tensors
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, h, generator=g).bfloat16()
+    w = torch.randn(v, h, generator=g).bfloat16()
+    y = torch.randint(0, v, (n,), generator=g)
+    t = -(-v // GEMM.tile_n)
+    parts = {k: torch.empty(n, t, dtype=torch.int32 if k == "amax" else torch.float32)
+             for k in ("m", "s", "amax", "zy", "q", "pz")}
+    logit_tiles_gluon.logit_tiles_pp(x, w, y, None, x.new_empty(n, v), parts, spec=spec, tile_n=GEMM.tile_n)
+
+
 shapes = [(256, 256, 1024), (255, 136, 1000)]
+specs = [StatsSpec(), StatsSpec(q=True, pz=True)]
 for s in shapes:  # every specialization's first launch: Triton compiles it
     fwd_bwd(*s)
+for spec in specs:
+    pingpong(300, 256, 1000, spec)
 runs = {}
 for path in ("lean", "triton"):
     if path == "triton":
@@ -58,6 +78,8 @@ for path in ("lean", "triton"):
     calls.clear()
     for s in shapes:
         fwd_bwd(*s)
+    for spec in specs:
+        pingpong(300, 256, 1000, spec)
     runs[path] = list(calls)
 print(json.dumps(runs))
 """
@@ -70,8 +92,9 @@ def test_launches_match_tritons_own():
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(done.stdout.splitlines()[-1])
     lean, triton_own = runs["lean"], runs["triton"]
-    assert len(lean) >= 2 * 8  # each shape's fused fwd+bwd launches its logits, merge, head, dZ, dX and dW kernels
-    assert len({c[0] for c in lean}) >= 10  # kernels and their specializations at the two shapes
+    assert len(lean) >= 2 * 8 + 2  # each shape's fused fwd+bwd launches its logits, merge, head, dZ, dX and dW
+    # kernels; then the Gluon logits GEMM twice
+    assert len({c[0] for c in lean}) >= 12  # kernels and their specializations at the two shapes, the Gluon ones
     assert lean == triton_own
 
 

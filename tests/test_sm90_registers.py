@@ -1,7 +1,8 @@
 """fce_torch's GEMM kernels compiled for the H200 (sm_90a) on this CPU, with the ptxas that the triton wheel
 ships: their epilogues must not spill registers (a pointer tensor of a whole output tile beside the
 accumulator spilled kilobytes per thread, bench/results/nvidia-h200/epilogue-registers/), and the tile merge
-must compile where its launch specializes; so must the Gluon prototype of the (hi, lo) accumulation
+must compile where its launch specializes; so must the logits GEMM's Gluon ping-pong kernel
+(fce_torch/kernels/logit_tiles_gluon.py) and the Gluon prototype of the (hi, lo) accumulation
 (tools/gluon_dw.py). Compiled in a subprocess: this process runs the kernels in the Triton interpreter."""
 import json
 import os
@@ -217,3 +218,23 @@ def test_gluon_dw_prototype_compiles_without_spills(schedule, first):
     compiles for sm_90a with this Triton, within the block's shared memory and without spilling."""
     shared, _, spilled = _in_compiler("gluon_dw", schedule, first)
     assert shared <= 232448 and spilled == 0
+
+
+def _gluon_logits(options):
+    """(shared bytes, registers, spilled bytes) of the logits GEMM's ping-pong kernel on LOGITS_PINGPONG's
+    launch with the named epilogue options (tools/gluon_logits.py's OPTIONS)."""
+    import gluon_logits
+    from fce_core.config import LOGITS_PINGPONG
+    option = next(o for o in gluon_logits.OPTIONS if o[0] == options)
+    shared, regs, spill_stores, spill_loads = gluon_logits.usage(LOGITS_PINGPONG, *option[1:])
+    return shared, regs, spill_stores + spill_loads
+
+
+@pytest.mark.parametrize("options", ["loss", "q pz", "no store"])
+def test_logits_pingpong_compiles_without_spills(options):
+    """fce_torch's logits GEMM on sm_90 (the ping-pong kernel) compiles within the block's shared memory and,
+    for the loss's partials, smoothing's and entropy's, and without e stored, without spilling: ptxas holds each
+    partition to 168 registers, and the epilogue's column blocks (LOGITS_PINGPONG.parts, parts_q_pz) are sized
+    for that. With class weights it spills 32 bytes a thread (measured faster than the Triton kernel anyway)."""
+    shared, regs, spilled = _in_compiler("gluon_logits", options)
+    assert shared <= 232448 and regs <= 168 and spilled == 0

@@ -49,6 +49,7 @@ from fce_core.config import GEMM
 from fce_core.plan import cdiv, rows_fast
 from fce_torch.kernels import fastmath as fm
 from fce_torch.kernels.grad_gemms import tile_origin
+from fce_torch.kernels.logit_tiles_gluon import owner_wait
 from ptxas_usage import ptxas_usage
 from fce_torch.kernels.tma import processors
 
@@ -528,9 +529,7 @@ def _pp_compute_partition(a_ring, b_ring, hi_s, lo_s, ready, empty, c_ready, c_f
         step = (2 * j + OWNER) * n_k  # the tile's first global step, as the loader counts
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for kk in range(n_k):
-            slot = step % STAGES
-            mbarrier.wait(ready.index(OWNER * STAGES + slot), (phases >> slot) & 1)
-            phases ^= 1 << slot
+            slot, phases = owner_wait(ready, phases, step, OWNER, STAGES)
             acc = hopper.warpgroup_mma(a_ring.index(slot).permute((1, 0)), b_ring.index(slot), acc, is_async=True)
             if not FIRST:
                 if kk == 0:  # under the first wgmma: the previous tile's stores have read my_hi / my_lo

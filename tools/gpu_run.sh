@@ -6,7 +6,8 @@
 # Usage (on the GPU machine, from the repo root):
 #   source .whl/install.sh && bash tools/gpu_run.sh gputests peers parity op logprobs cpo sft profile
 # Jobs:
-#   gputests  pytest on the GPU: torch.compile (inductor), the float32 policy, the default engine's choice
+#   gputests  pytest on the GPU: torch.compile (inductor), the float32 policy, the default engine's choice,
+#             the logits GEMM's ping-pong kernel against the Triton kernel
 #   peers     the peers' own test files against the drop-ins (needs .peers/sdist and .peers/cce-main carried)
 #   parity    python -m parity          op, logprobs, cpo, sft, profile: python -m bench <job>
 #   kernels   python tools/fused_kernels.py, the fused GEMMs one by one (KERNELS_ARGS="--grads 4096,4096,128256")
@@ -28,8 +29,9 @@ for job in "$@"; do
   mkdir -p "$results/$job"
   case $job in
     gputests) FCE_TEST_DEVICE=cuda timeout "$limit" python -m pytest -q -p no:warnings -o addopts="" \
-                tests/test_compile.py tests/test_float32_policy.py tests/test_engine_choice.py -m "gpu or not gpu" \
-                --junitxml "$results/$job/junit.xml" 2>&1 | tail -25 ;;
+                tests/test_compile.py tests/test_float32_policy.py tests/test_engine_choice.py \
+                tests/test_logits_pingpong.py -m "gpu or not gpu" --junitxml "$results/$job/junit.xml" 2>&1 |
+                tail -25 ;;
     peers)    timeout "$limit" python -m tests.peers --device cuda --offline --json "$results/$job/peers.json" &&
               timeout "$limit" python -m tests.peers --device cuda --offline --cce-tests main --only cce-main \
                 --json "$results/$job/peers-cce-main.json" ;;

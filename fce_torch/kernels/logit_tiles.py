@@ -16,6 +16,7 @@ from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, MERGE_ROWS, shor
 from fce_core.plan import cdiv
 
 from . import fastmath as fm
+from . import logit_tiles_gluon
 from .fastmath import LOG2E
 from .launch import launched
 from .row_stats import logit_transform
@@ -236,8 +237,11 @@ def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, out
     """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y` [n]: the targets, read as 0 where
     outside [0, V) (`fce_core.rows.safe_targets`, in the kernel: torch's ops would cost the host). Writes the
     exp-scaled tile values into `out` (or a new [n, V] array in x's dtype; neither without `store`) and returns
-    (that array or None, the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V / tile_n) tiles)."""
+    (that array or None, the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V / tile_n) tiles).
+    Without `cfg`, a chunk of more than SHORT_ROWS rows runs on the ping-pong kernel where it applies
+    (logit_tiles_gluon.py: sm_90, 16-bit operands, raw logits; the same bits)."""
     n, hidden = x.shape
+    pingpong = cfg is None and not short(n)
     cfg = gemm_config(cfg, n)
     V = w.shape[0]
     n_tiles = cdiv(V, cfg.tile_n)
@@ -245,6 +249,9 @@ def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, out
     parts = {k: x.new_empty((n, n_tiles), dtype=torch.int32 if k == "amax" else F32)
              for k, on in (("m", 1), ("s", 1), ("amax", 1), ("zy", 1), ("q", spec.q), ("pz", spec.pz)) if on}
     if n == 0:
+        return e, parts
+    if pingpong and logit_tiles_gluon.applies(x, w, e, bias, transform):
+        logit_tiles_gluon.logit_tiles_pp(x, w, y, class_weights, e, parts, spec=spec, tile_n=cfg.tile_n)
         return e, parts
     m = parts["m"]
     (xa, wa), tma = descriptors([(x, (cfg.tile_m, cfg.tile_k)), (w, (cfg.tile_n, cfg.tile_k))], cfg)
