@@ -35,17 +35,10 @@ from fce_core.plan import cdiv
 from . import fastmath as fm
 from .fastmath import LOG2E
 from .launch import launched
-from .tma import processors, tma_ready
+from .tma import column_halves, processors, tma_ready
 from ..sums import row_sum
 
-SHARED_BYTES = 232448  # sm_90a's shared memory per block
 _GL_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
-@gluon.jit
-def _column_halves(t):
-    """A [R, W] register tile's left and right [R, W // 2] halves (a view of the same registers)."""
-    return t.reshape([t.shape[0], 2, t.shape[1] // 2]).permute(0, 2, 1).split()
 
 
 @gluon.jit
@@ -120,7 +113,7 @@ def _cols_sums(z, m_t, c0, V, cw_ptr, partial, e_s, e0, e_desc, r0, p: gl.conste
         s, q, pz = _part_sums(z, m_t, c0, V, cw_ptr, partial, e_s.index(e0 + p % E_BUFS), e_desc, r0, HAS_Q, HAS_PZ,
                               HAS_CW, STORE, E_BUFS, ASM)
     else:
-        left, right = _column_halves(z)
+        left, right = column_halves(z)
         s_l, q_l, pz_l = _cols_sums(left, m_t, c0, V, cw_ptr, partial, e_s, e0, e_desc, r0, p, PARTS // 2, HAS_Q,
                                     HAS_PZ, HAS_CW, STORE, E_BUFS, ASM)
         s_r, q_r, pz_r = _cols_sums(right, m_t, c0 + z.shape[1] // 2, V, cw_ptr, partial, e_s, e0, e_desc, r0,
