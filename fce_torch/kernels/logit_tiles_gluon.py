@@ -17,8 +17,8 @@ order (global step g = i * n_k + kk of the program's i-th tile, in stage g % STA
               of its next phases as a bit mask (its uses of a stage have no closed form unless STAGES | n_k).
   empty[s]   (owner -> loader): the wgmma that read the stage has retired; the loader's wait for step g has
               parity ((g // STAGES) & 1) ^ 1, so the first STAGES pass at once.
-tools/ws_protocol_sim.py checks this protocol (its ping-pong schedule) on random interleavings. Each owner stages
-its e blocks for their TMA stores in shared memory of its own.
+This is tools/gluon_dw.py's ping-pong protocol without its loads of C, which tools/ws_protocol_sim.py checks on
+random interleavings. Each owner stages its e blocks for their TMA stores in shared memory of its own.
 """
 import functools
 
