@@ -25,7 +25,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 import fce_torch
 from fce_core.config import GEMM
 from fce_core.heads import StatsSpec
-from fce_torch.kernels import logit_tiles_gluon
+from fce_core.plan import cdiv
+from fce_torch.kernels import logit_tiles, logit_tiles_gluon
 
 calls = []
 
@@ -59,9 +60,7 @@ def pingpong(n, h, v, spec):
     x = torch.randn(n, h, generator=g).bfloat16()
     w = torch.randn(v, h, generator=g).bfloat16()
     y = torch.randint(0, v, (n,), generator=g)
-    t = -(-v // GEMM.tile_n)
-    parts = {k: torch.empty(n, t, dtype=torch.int32 if k == "amax" else torch.float32)
-             for k in ("m", "s", "amax", "zy", "q", "pz")}
+    parts = logit_tiles.partials(x, cdiv(v, GEMM.tile_n), spec)
     logit_tiles_gluon.logit_tiles_pp(x, w, y, None, x.new_empty(n, v), parts, spec=spec, tile_n=GEMM.tile_n)
 
 

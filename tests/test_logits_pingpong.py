@@ -25,7 +25,8 @@ def _inputs(n, h, v, dtype, device):
 
 
 def test_pingpong_does_not_apply_off_sm90():
-    """On this machine's CPU tensors, or with a bias, a softcap or a temperature, the Triton kernel runs."""
+    """Not on CPU tensors (the interpreter's machine): there the Triton kernel runs. (A bias, a softcap and a
+    temperature are refused on the GPU, in `test_pingpong_bits_equal_triton`.)"""
     x, w, _, _ = _inputs(300, 64, 300, torch.bfloat16, "cpu")
     assert not logit_tiles_gluon.applies(x, w, None, None, Transform())
 

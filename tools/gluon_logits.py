@@ -27,8 +27,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from fce_core.config import GEMM, LOGITS_PINGPONG
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
+from fce_core.plan import cdiv
 from fce_torch.kernels import logit_tiles_gluon as lg
-from fce_torch.kernels.logit_tiles import logit_tiles
+from fce_torch.kernels.logit_tiles import logit_tiles, partials
 from fce_torch.kernels.tma import processors
 from ptxas_usage import ptxas_usage
 
@@ -111,11 +112,8 @@ def _time(fn, reps=20, rounds=3):
 
 def _pp(x, w, y, cw, spec, store, cfg):
     """`logit_tiles` through the ping-pong kernel with launch `cfg` (its partials allocated as logit_tiles does)."""
-    n, v = x.shape[0], w.shape[0]
-    n_tiles = -(-v // GEMM.tile_n)
-    e = x.new_empty((n, v)) if store else None
-    parts = {k: x.new_empty((n, n_tiles), dtype=torch.int32 if k == "amax" else torch.float32)
-             for k, on in (("m", 1), ("s", 1), ("amax", 1), ("zy", 1), ("q", spec.q), ("pz", spec.pz)) if on}
+    e = x.new_empty((x.shape[0], w.shape[0])) if store else None
+    parts = partials(x, cdiv(w.shape[0], GEMM.tile_n), spec)
     lg.logit_tiles_pp(x, w, y, cw, e, parts, spec=spec, tile_n=GEMM.tile_n, cfg=cfg)
     return e, parts
 

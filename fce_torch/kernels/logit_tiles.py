@@ -233,6 +233,13 @@ def gemm_config(cfg=None, rows=None):
     return GEMM_SHORT if short(rows) else GEMM
 
 
+def partials(x, n_tiles, spec):
+    """New [rows of x, n_tiles] arrays for the logits GEMM's partials {m, s, amax, zy[, q][, pz]} (what `spec`
+    asks for): float32, amax int32."""
+    return {k: x.new_empty((x.shape[0], n_tiles), dtype=torch.int32 if k == "amax" else F32)
+            for k, on in (("m", 1), ("s", 1), ("amax", 1), ("zy", 1), ("q", spec.q), ("pz", spec.pz)) if on}
+
+
 def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, out=None, store=True, cfg=None):
     """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y` [n]: the targets, read as 0 where
     outside [0, V) (`fce_core.rows.safe_targets`, in the kernel: torch's ops would cost the host). Writes the
@@ -246,8 +253,7 @@ def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, out
     V = w.shape[0]
     n_tiles = cdiv(V, cfg.tile_n)
     e = out if out is not None else x.new_empty((n, V)) if store else None
-    parts = {k: x.new_empty((n, n_tiles), dtype=torch.int32 if k == "amax" else F32)
-             for k, on in (("m", 1), ("s", 1), ("amax", 1), ("zy", 1), ("q", spec.q), ("pz", spec.pz)) if on}
+    parts = partials(x, n_tiles, spec)
     if n == 0:
         return e, parts
     if pingpong and logit_tiles_gluon.applies(x, w, e, bias, transform):

@@ -35,11 +35,8 @@ from fce_core.plan import cdiv
 from . import fastmath as fm
 from .fastmath import LOG2E
 from .launch import launched
-from .tma import column_halves, processors, tma_ready
+from .tma import ELEMENT_TYPES, column_halves, processors, tma_ready
 from ..sums import row_sum
-
-_GL_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
 
 @gluon.jit
 def _load_partition(x_desc, w_desc, x_ring, w_ring, ready, empty, pid, programs, n_m, n_tiles, n_k,
@@ -248,7 +245,7 @@ def applies(x, w, e, bias, transform):
     (no bias, softcap or temperature: the softcap's tanh of the whole tile spilled kilobytes a thread under the
     partitions' 168 registers, and with a bias and a temperature it was 7-47% slower than the Triton kernel on
     the H100, bench/results/nvidia-h100/logits-pingpong/)."""
-    return (fm.ASM and x.is_cuda and x.dtype in _GL_TYPES and w.dtype == x.dtype and bias is None
+    return (fm.ASM and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and bias is None
             and transform.softcap is None and not transform.has_temperature
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and tma_ready(x, w, *(() if e is None else (e,))))
@@ -264,7 +261,7 @@ def logit_tiles_pp(x, w, y, class_weights, e, parts, *, spec, tile_n, cfg=LOGITS
     `parts` of its caller."""
     n, hidden = x.shape
     V = w.shape[0]
-    gdt = _GL_TYPES[x.dtype]
+    gdt = ELEMENT_TYPES[x.dtype]  # Gluon's element types are Triton's
     col_blocks = cfg.parts_q_pz if spec.q or spec.pz else cfg.parts
     e_block = [cfg.tile_m, tile_n // col_blocks]
     blocks = [(x, [cfg.tile_m, cfg.tile_k]), (w, [tile_n, cfg.tile_k]), (e if e is not None else x, e_block)]
