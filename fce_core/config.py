@@ -102,7 +102,9 @@ class PingPongConfig:
     num_stages, a loader warp; the epilogue's e and sums in `parts` column blocks (a power of two; `parts_q_pz`
     where the head asks for q or pz: their terms beside e spilled at 2 blocks), each owner's e staged in
     `e_buffers` of them (dividing both); register counts of the partitions (setmaxnreg). Speed only: the
-    partials' width is GemmConfig.tile_n, as in the Triton kernel."""
+    partials' width is GemmConfig.tile_n, as in the Triton kernel. The JAX twin's Mosaic GPU ping-pong kernel
+    (fce_jax/kernels/logit_tiles_mgpu.py, opt-in) takes tile_m, tile_k, num_stages, parts and parts_q_pz from
+    it; its memory warpgroup and register split are `fce_jax.kernels.mgpu`'s, with one e buffer an owner."""
     NUMERICS = ()
     tile_m: int = 64
     tile_k: int = 64
@@ -216,10 +218,14 @@ def short(rows):
 LOGITS_PINGPONG = PingPongConfig()
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
-# The JAX twin's logits GEMM on Pallas Mosaic GPU (two compute warpgroups of 64 rows, TMA, persistent): opt-in.
-# It hung on the H200 until a cross-warpgroup race in its epilogue was removed; since then it returns on the H100,
-# slower than the Triton lowering's kernel and not bitwise with q / pz, a temperature with a bias, or class
-# weights (bench/results/nvidia-h100/engine-v2-flags/): not to be enabled.
+# The JAX twin's logits GEMM on Pallas Mosaic GPU, opt-in. Raw logits without pz take the ping-pong kernel
+# (LOGITS_PINGPONG's launch): fce_torch's bits, but on the H100 faster than the Triton lowering's kernel only at
+# H = 640 per chunk (0.57 against 0.64 ms at 768x640x262144; 5-29% slower at H >= 2048, and without the tile
+# values stored at every shape), and its accumulator spilled 184-216 bytes a thread
+# (bench/results/nvidia-h100/mosaic-logits-pingpong/). The rest take the kernel whose two compute warpgroups split
+# each 128-row tile: it hung on the H200 until a cross-warpgroup race in its epilogue was removed; since then it
+# returns on the H100, slower than the Triton lowering's kernel and not bitwise with q / pz, a temperature with a
+# bias, or class weights (bench/results/nvidia-h100/engine-v2-flags/). Neither is enabled.
 GEMM_MOSAIC = dataclasses.replace(GEMM, tma=True, persistent=True, mosaic=True)
 GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GEMM_INTERPRETER, tile_m=128, num_stages=2, tma=True, persistent=True,
                                               mosaic=True)

@@ -1,11 +1,23 @@
-"""fce_torch's logits GEMM on sm_90 (fce_torch/kernels/logit_tiles_gluon.py, the ping-pong kernel) against the
-Triton kernel that it stands in for (logit_tiles with cfg=GEMM): the same bits in e and in every partial, for the
-options it takes, on a GPU (`tools/gpu_run.sh gputests`). Where it does not apply (the CPU's interpreter, a bias,
-a temperature, a softcap, a chunk of few rows) `logit_tiles` runs the Triton kernel."""
+"""The logits GEMM's ping-pong kernels, one warpgroup's statistics epilogue under the other's wgmma.
+
+fce_torch's on sm_90 (fce_torch/kernels/logit_tiles_gluon.py) against the Triton kernel that it stands in for
+(logit_tiles with cfg=GEMM): the same bits in e and in every partial, for the options it takes, on a GPU
+(`tools/gpu_run.sh gputests`). Where it does not apply (the CPU's interpreter, a bias, a temperature, a softcap, a
+chunk of few rows) `logit_tiles` runs the Triton kernel.
+
+The JAX twin's on Mosaic GPU (fce_jax/kernels/logit_tiles_mgpu.py, `pingpong=`), here in Mosaic GPU's interpret
+mode: against float64 and bit for bit against the Mosaic GPU kernel whose warpgroups split each tile (the same
+interpreter's products and sums, so any difference is the schedule's or the column blocks'); which chunks the
+engine gives it. On the GPU its bits against fce_torch's: tools/mosaic_logits.py and the parity run.
+"""
+import dataclasses
+import math
+
+import numpy as np
 import pytest
 import torch
 
-from fce_core.config import GEMM, SHORT_ROWS
+from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_MOSAIC_INTERPRETER, LOGITS_PINGPONG, SHORT_ROWS
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_torch.kernels import logit_tiles_gluon
@@ -58,3 +70,181 @@ def test_pingpong_bits_equal_triton(n, h, v, dtype, spec, with_cw, store, device
         assert torch.equal(e_p.view(torch.int16), e_t.view(torch.int16))
     else:
         assert e_p is None and e_t is None
+
+
+# The JAX twin's kernel in the interpreter: 64-row tiles of 128 columns (4 column blocks of q and pz: 32, at
+# least a tree leaf), K steps of 16 over H = 48, 2 stages refilled across the tiles of each of the 2 programs.
+PP_INTERPRETER = dataclasses.replace(LOGITS_PINGPONG, tile_k=16, num_stages=2)
+PP_TILES = dataclasses.replace(GEMM_INTERPRETER, tile_n=128)
+PP_CASES = {  # rows, V, StatsSpec, store, launch fields
+    "partial_blocks_and_tile": (200, 320, StatsSpec(), True, {}),
+    "one_row": (1, 64, StatsSpec(q=True), True, {}),
+    "q_pz_four_blocks": (130, 256, StatsSpec(q=True, pz=True), True, {}),
+    "no_store_one_block": (64, 192, StatsSpec(), False, dict(parts=1)),
+    "three_stages_two_blocks": (100, 320, StatsSpec(q=True, pz=True), True, dict(num_stages=3, parts_q_pz=2)),
+}
+
+
+def _exact_inputs(n, v, seed):
+    """x in quarters (one row times 2**10: logits in the tens of thousands), w in 16ths, H = 48: every logit
+    exact in float32 in any K order; targets ignored (-100) in every third row and one past V."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-8, 9, (n, 48), generator=g) / 4.0).to(torch.bfloat16)
+    x[min(5, n - 1)] *= 2.0 ** 10
+    w = (torch.randint(-16, 17, (v, 48), generator=g) / 16.0).to(torch.bfloat16)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::3] = -100
+    y[n // 2] = v + 7
+    return x, w, y
+
+
+@pytest.mark.parametrize("name", list(PP_CASES))
+def test_jax_pingpong_kernel(name):
+    """The JAX twin's ping-pong kernel: every output bit for bit the split-tile Mosaic GPU kernel's; the tile
+    maxima, first argmax and target logit equal to float64's; s, pz and e within their rounding of it."""
+    import jax.numpy as jnp
+
+    from fce_jax.kernels import logit_tiles as jt
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+    from helpers import as_float64, to_jax
+
+    n, v, spec, store, launch = PP_CASES[name]
+    pp = dataclasses.replace(PP_INTERPRETER, **launch)
+    x, w, y = _exact_inputs(n, v, seed=n + v)
+    xj, wj = to_jax(x), to_jax(w)
+    y_safe = jt.safe_targets(jt.arrays, to_jax(y.to(torch.int32)), v)
+    assert jm.pingpong_supports(xj, wj, None, None, Transform(), PP_TILES, pp)
+    kw = dict(has_q=spec.q, has_pz=spec.pz, store=store)
+    e, parts = jm.mosaic_logit_tiles(xj, wj, y_safe, cfg=PP_TILES, pingpong=pp, **kw)
+    e_split, parts_split = jm.mosaic_logit_tiles(xj, wj, y_safe, cfg=dataclasses.replace(
+        GEMM_MOSAIC_INTERPRETER, tile_n=PP_TILES.tile_n), **kw)
+    n_tiles = -(-v // 128)
+    assert set(parts) == set(parts_split) == {"m", "s", "amax", "zy"} | {k for k in ("q", "pz") if getattr(spec, k)}
+    for k in parts:
+        assert parts[k].shape == (n, n_tiles)
+        assert np.array_equal(np.asarray(parts[k]), np.asarray(parts_split[k]), equal_nan=True), k
+    if store:
+        assert np.array_equal(np.asarray(e.astype(jnp.float32)), np.asarray(e_split.astype(jnp.float32)))
+    else:
+        assert e is None
+    z = torch.full((n, n_tiles * 128), -math.inf, dtype=torch.float64)
+    z[:, :v] = x.double() @ w.double().T  # exact
+    tiles = z.view(n, n_tiles, 128)
+    m_t, arg = tiles.max(dim=2)
+    assert np.array_equal(as_float64(parts["m"]), m_t.numpy())
+    assert np.array_equal(as_float64(parts["amax"]), (arg + 128 * torch.arange(n_tiles)).numpy())
+    safe = torch.where((y >= 0) & (y < v), y, 0)
+    assert np.array_equal(as_float64(parts["zy"]).max(axis=1), z.gather(1, safe[:, None])[:, 0].numpy())
+    e64 = torch.exp(tiles - m_t[..., None])
+    d = (tiles - m_t[..., None]).nan_to_num(neginf=0.0)
+    assert np.allclose(as_float64(parts["s"]), e64.sum(dim=2).numpy(), rtol=1e-5, atol=0)
+    if spec.q:
+        assert np.allclose(as_float64(parts["q"]), d.sum(dim=2).numpy(), rtol=1e-5, atol=1e-3)
+    if spec.pz:
+        assert np.allclose(as_float64(parts["pz"]), (e64 * d).sum(dim=2).numpy(), rtol=1e-5, atol=1e-6)
+    if store:
+        assert np.allclose(as_float64(e), e64.view(n, -1)[:, :v].numpy(), rtol=2 ** -8, atol=1e-6)
+
+
+def test_jax_pingpong_kernel_into_rows():
+    """The ping-pong kernel's tile values into rows [row0, row0 + n) of a larger array from a traced row0, as
+    the engine's kept dZ takes them: the rows outside untouched, the same values and partials as alone."""
+    import jax
+    import jax.numpy as jnp
+
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+    from helpers import to_jax
+
+    x, w, y = _exact_inputs(192, 320, seed=3)
+    xj, wj, yj = to_jax(x), to_jax(w), to_jax(y.clamp(0, 319).to(torch.int32))
+    kw = dict(has_q=False, has_pz=False, store=True, cfg=PP_TILES, pingpong=PP_INTERPRETER)
+    alone, parts = jm.mosaic_logit_tiles(xj, wj, yj, **kw)
+    into = jnp.full((448, 320), 3.0, jnp.bfloat16)
+    assert jm.pingpong_supports(xj, wj, None, None, Transform(), PP_TILES, PP_INTERPRETER, into=into, row0=64)
+    got, parts_into = jax.jit(lambda i, r: jm.mosaic_logit_tiles(xj, wj, yj, into=i, row0=r, **kw))(into, 64)
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.all(got[:64] == 3.0) and np.all(got[256:] == 3.0)
+    assert np.array_equal(got[64:256], np.asarray(alone.astype(jnp.float32)))
+    for k in parts:
+        assert np.array_equal(np.asarray(parts[k]), np.asarray(parts_into[k])), k
+
+
+def test_jax_pingpong_kernel_scope():
+    """What the JAX twin's ping-pong kernel leaves to other kernels (`pingpong_supports`): a bias, a
+    temperature, class weights, pz, a softcap, float32 operands, V not a multiple of 64, one stage, column blocks
+    narrower than 32 bytes, tile values into a larger array from a partial 64-row block."""
+    import jax.numpy as jnp
+
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+
+    x, w, f32 = jnp.ones((200, 48), jnp.bfloat16), jnp.ones((320, 48), jnp.bfloat16), jnp.zeros((320,), jnp.float32)
+    tr, pp = Transform(), PP_INTERPRETER
+    assert jm.pingpong_supports(x, w, None, None, tr, PP_TILES, pp)
+    assert not jm.pingpong_supports(x, w, f32, None, tr, PP_TILES, pp)
+    assert not jm.pingpong_supports(x, w, None, f32, tr, PP_TILES, pp)
+    assert not jm.pingpong_supports(x, w, None, None, Transform(temperature=0.7), PP_TILES, pp)
+    assert not jm.pingpong_supports(x, w, None, None, tr, PP_TILES, pp, has_pz=True)
+    assert not jm.pingpong_supports(x, w, None, None, Transform(softcap=30.0), PP_TILES, pp)
+    assert not jm.pingpong_supports(x.astype(jnp.float32), w.astype(jnp.float32), None, None, tr, PP_TILES, pp)
+    assert not jm.pingpong_supports(x, w[:312], None, None, tr, PP_TILES, pp)
+    assert not jm.pingpong_supports(x, w, None, None, tr, PP_TILES, dataclasses.replace(pp, num_stages=1))
+    assert not jm.pingpong_supports(x, w, None, None, tr, dataclasses.replace(PP_TILES, tile_n=32), pp)  # 16 bytes
+    assert not jm.pingpong_supports(x, w, None, None, tr, PP_TILES, pp, out_rows=400)
+    assert jm.pingpong_supports(x[:192], w, None, None, tr, PP_TILES, pp, out_rows=400, row0=8)
+
+
+def test_jax_logit_tiles_chooses_the_pingpong_kernel(monkeypatch):
+    """`logit_tiles` with a Mosaic GPU config (`GemmConfig.mosaic`, opt-in) runs raw logits on the ping-pong
+    kernel with LOGITS_PINGPONG, a bias on the split-tile kernel; the default config on the Triton lowering."""
+    import jax.numpy as jnp
+
+    from fce_core.config import GEMM_MOSAIC
+    from fce_jax.kernels import logit_tiles as jt
+
+    calls = []
+
+    def record(*args, **kw):
+        calls.append(kw.get("pingpong"))
+        raise StopIteration
+
+    monkeypatch.setattr(jt, "mosaic_logit_tiles", record)
+    monkeypatch.setattr(jt, "call", lambda *a, **kw: lambda *args: record(pingpong="triton"))
+    x, w, y = jnp.ones((300, 64), jnp.bfloat16), jnp.ones((512, 64), jnp.bfloat16), jnp.zeros((300,), jnp.int32)
+    kw = dict(spec=StatsSpec(), transform=Transform(), precision=None)
+    for bias, cfg in ((None, GEMM_MOSAIC), (jnp.zeros((512,), jnp.float32), GEMM_MOSAIC), (None, GEMM)):
+        with pytest.raises(StopIteration):
+            jt.logit_tiles(x, w, bias, y, None, cfg=cfg, **kw)
+    assert calls == [LOGITS_PINGPONG, None, "triton"]
+
+
+def test_jax_pingpong_kernel_lowers_for_the_gpu(monkeypatch):
+    """The ping-pong kernel as the GPU builds it (LOGITS_PINGPONG, 132 programs), lowered for CUDA on this CPU
+    at the bench's chunk shapes: with and without the tile values, with q and pz, and into a kept dZ from a
+    traced row."""
+    import jax
+    import jax.numpy as jnp
+
+    from fce_jax.kernels import launch, mgpu
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+
+    for module in (launch, mgpu, jm):
+        monkeypatch.setattr(module, "interpret_mode", lambda: False)
+    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+
+    def lowered(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    for n, h, v in ((2048, 2048, 128256), (768, 640, 262144), (1280, 896, 151936)):
+        for q_pz, store in ((False, True), (True, True), (False, False)):
+            text = lowered(lambda x, w, y: jm.mosaic_logit_tiles(x, w, y, has_q=q_pz, has_pz=q_pz, store=store,
+                                                                 cfg=GEMM, pingpong=LOGITS_PINGPONG),
+                           s((n, h), bf), s((v, h), bf), s((n,), jnp.int32))
+            assert "mosaic_gpu" in text
+
+    def into(x, w, y, kept, r0):
+        return jm.mosaic_logit_tiles(x, w, y, has_q=False, has_pz=False, store=True, cfg=GEMM, into=kept, row0=r0,
+                                     pingpong=LOGITS_PINGPONG)
+
+    assert "mosaic_gpu" in lowered(into, s((512, 640), bf), s((1024, 640), bf), s((512,), jnp.int32),
+                                   s((2048, 1024), bf), s((), jnp.int32))

@@ -89,12 +89,12 @@ def compile_check():
 SHAPES = [(2048, 2048, 128256), (768, 640, 262144), (1280, 896, 151936), (1024, 4096, 128256), (256, 4096, 128256)]
 
 
-def _bits_equal(a, b):
+def bits_equal(a, b):
     view = {torch.bfloat16: torch.int16, torch.float32: torch.int32}.get(a.dtype, a.dtype)
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(view), b.view(view)))
 
 
-def _time(fn, reps=20, rounds=3):
+def time_cuda(fn, reps=20, rounds=3):
     """ms per call: the best of `rounds` rounds of `reps` calls back to back (CUDA events around each round)."""
     fn()
     torch.cuda.synchronize()
@@ -108,6 +108,30 @@ def _time(fn, reps=20, rounds=3):
         end.synchronize()
         best = min(best, start.elapsed_time(end) / reps)
     return best
+
+
+def chunk_inputs(n, h, v):
+    """A chunk's seeded bfloat16 x [n, h] and w [v, h] on the GPU, its targets y (every 7th row ignored and one
+    past V: both read as 0 by every kernel) and class weights [v]."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    y[::7] = -100
+    y[3 % n] = v + 5
+    return x, w, y, torch.rand(v, device="cuda", generator=g)
+
+
+def emitter(rows, n, h, v):
+    """emit(row): the row with the chunk's shape and its TFLOP/s added to `rows`, and printed as JSON."""
+    def emit(row):
+        row = dict(N=n, H=h, V=v, **row)
+        if row.get("ms"):
+            row["tflops"] = 2 * n * h * v / row["ms"] / 1e9
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    return emit
 
 
 def _pp(x, w, y, cw, spec, store, cfg):
@@ -126,54 +150,45 @@ def gpu_main(out_path=None, variants=VARIANTS, shapes=SHAPES):
           f"{processors(torch.device('cuda'))} SMs", flush=True)
     rows = []
     for n, h, v in shapes:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
-        w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
-        y = torch.randint(0, v, (n,), device="cuda", generator=g)
-        y[::7] = -100  # ignored rows and one target past V: read as 0 by both kernels
-        y[3 % n] = v + 5
-        cw = torch.rand(v, device="cuda", generator=g)
-        flop = 2 * n * h * v
-
-        def emit(row):
-            row = dict(N=n, H=h, V=v, **row)
-            if row.get("ms"):
-                row["tflops"] = flop / row["ms"] / 1e9
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-
-        emit(dict(impl="cublas f32 out", ms=_time(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))))
-        emit(dict(impl="cublas bf16 out", ms=_time(lambda: torch.mm(x, w.t()))))
+        x, w, y, cw = chunk_inputs(n, h, v)
+        emit = emitter(rows, n, h, v)
+        emit(dict(impl="cublas f32 out", ms=time_cuda(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))))
+        emit(dict(impl="cublas bf16 out", ms=time_cuda(lambda: torch.mm(x, w.t()))))
         for name, spec, has_cw, store in OPTIONS:
             args = (x, w, y, cw if has_cw else None)
             run = lambda: logit_tiles(x, w, None, y, args[3], spec=spec, transform=Transform(),  # noqa: E731
                                       precision="ieee", store=store, cfg=GEMM)
             e_ref, p_ref = run()
-            emit(dict(impl="logit_tiles (triton, GEMM)", options=name, ms=_time(run)))
+            emit(dict(impl="logit_tiles (triton, GEMM)", options=name, ms=time_cuda(run)))
             for cfg in variants if name == "loss" else OPTION_VARIANTS:
                 print(f"  ({n}x{h}x{v}: checking {_name(cfg)}, {name})", file=sys.stderr, flush=True)
                 row = dict(impl=_name(cfg), options=name)
                 try:
                     e, parts = _pp(*args, spec, store, cfg)
                     torch.cuda.synchronize()
-                    row["bits"] = {k: _bits_equal(parts[k], p_ref[k]) for k in p_ref}
+                    row["bits"] = {k: bits_equal(parts[k], p_ref[k]) for k in p_ref}
                     if store:
-                        row["bits"]["e"] = _bits_equal(e, e_ref)
+                        row["bits"]["e"] = bits_equal(e, e_ref)
                     del e, parts
-                    row["ms"] = _time(lambda cfg=cfg: _pp(*args, spec, store, cfg))
+                    row["ms"] = time_cuda(lambda cfg=cfg: _pp(*args, spec, store, cfg))
                 except Exception as exc:  # noqa: BLE001 - one variant's failure should not hide the others
                     row["error"] = f"{type(exc).__name__}: {exc}"[:1000]
                 emit(row)
             del e_ref, p_ref
         del x, w, y, cw
         torch.cuda.empty_cache()
-    print("\n N, H, V               impl                           options              ms  TFLOP/s  bits")
+    return report(rows, out_path)
+
+
+def report(rows, out_path=None):
+    """The rows as a table on stdout (bits: "all" where every output matched) and, given a path, as JSON."""
+    print(f"\n N, H, V               {'impl':<33} {'options':<9}      ms  TFLOP/s  bits")
     for r in rows:
         bits = "" if "bits" not in r else ("all" if all(r["bits"].values()) else r["bits"])
         ms = f"{r['ms']:8.3f}" if r.get("ms") else "       -"
         tf = f"{r['tflops']:6.0f}" if r.get("tflops") else "     -"
-        print(f"{r['N']:5d},{r['H']:5d},{r['V']:7d}  {r['impl']:<30} {r.get('options', ''):<16} {ms} {tf}  {bits} "
-              f"{r.get('error', '')}")
+        print(f"{r['N']:5d},{r['H']:5d},{r['V']:7d}  {r['impl']:<33} {r.get('options', ''):<9} {ms} {tf}  {bits} "
+              f"{r.get('error', '')[:300]}")
     if out_path:
         with open(out_path, "w") as f:
             json.dump(rows, f, indent=1)

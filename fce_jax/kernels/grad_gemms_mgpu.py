@@ -4,9 +4,9 @@ epilogues (WRITE, ADD, the (hi, lo) PAIR), so the same bits, with TMA loads, a w
 and persistent programs. Launches: `mgpu.py`.
 
 Two schedules: `_kernel`, whose two compute warpgroups split each tile's rows and run its epilogue together
-(the tensor cores idle meanwhile), and `_pingpong_kernel` (`GradGemmConfig.pingpong`, opt-in where K is not
-sliced, not yet run on a GPU), whose warpgroups take tiles in turns off one ring of stages, so that one's
-epilogue (the (hi, lo) pair's reads and writes, above all) runs under the other's products.
+(the tensor cores idle meanwhile), and `_pingpong_kernel` (`GradGemmConfig.pingpong`, where K is not sliced:
+dW of a short chunk, GRAD_GEMM_MOSAIC_SHORT_K), whose warpgroups take tiles in turns off one ring of stages, so
+that one's epilogue (the (hi, lo) pair's reads and writes, above all) runs under the other's products.
 """
 import functools
 
@@ -20,14 +20,13 @@ from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, gemm_items, reads_c, rows
 
 from . import fastmath as fm
 from . import mgpu
+from .mgpu import MEMORY_REGISTERS
 from .grad_gemms import F32, tma_rows
 from .launch import typed
 
 COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
 EPILOGUE_ROWS = 64   # rows of a compute warpgroup's epilogue block in shared memory
 LOADED_COLS = 64     # columns of an epilogue block that C is loaded into (ADD, PAIR), two of them in flight
-MEMORY_REGISTERS = 40  # per thread of the memory warpgroup; the compute warpgroups share the rest of the register
-COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // COMPUTE_WGS // 8 * 8  # file, as emit_pipeline_warp_specialized does
 
 
 def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first, cfg, stages_):
@@ -90,12 +89,9 @@ def _kernel(a_gmem, b_gmem, *c_gmem, m, n, k, slice_k, slices, a_t, mode, first,
 
 def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, stages_):
     """`_kernel` where K is not sliced, on tiles of cfg.tile_m / 2 x cfg.tile_n that the two compute
-    warpgroups take in turns (`GradGemmConfig.pingpong`): a block's tiles alternate between them, and the memory
-    warpgroup fills one ring of shared-memory stages with their K steps in the tiles' order, each stage's
-    arrival signalled on a barrier of its owner's (barrier phases are parities, so a warpgroup waits on every
-    phase of its own barriers and no other's). The next tile's products start as soon as its stages arrive,
-    while this tile's owner runs its epilogue: the tensor cores stay busy through it. Each output element takes
-    the same K-ascending products and epilogue as in `_kernel`: the same bits."""
+    warpgroups take in turns (`GradGemmConfig.pingpong`, on `mgpu.pingpong`): the next tile's products start as
+    soon as its stages arrive, while this tile's owner runs its epilogue (C's prefetch before its K loop).
+    Each output element takes the same K-ascending products and epilogue as in `_kernel`: the same bits."""
     bm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
     tiles, steps = gemm_items(m, n, 1, bm, bn), pl.cdiv(k, bk)
     dtype = a_gmem.dtype
@@ -103,68 +99,31 @@ def _pingpong_kernel(a_gmem, b_gmem, *c_gmem, m, n, k, a_t, mode, first, cfg, st
     ring = dict(
         a_smem=plgpu.SMEM((stages_, *a_block), dtype, transforms=mgpu.transforms(a_block[1], dtype)),
         b_smem=plgpu.SMEM((stages_, bk, bn), dtype, transforms=mgpu.transforms(bn, dtype)),
-        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS * stages_),  # A's and B's copies
-        consumed=plgpu.Barrier(num_barriers=stages_))
+        **mgpu.pingpong_barriers(stages_))
 
     @functools.partial(pl.run_scoped, **ring, **_c_scratch(c_gmem, cfg, mode, first), collective_axes="wg")
     def _scope(a_smem, b_smem, loaded, consumed, epi, bars):
         wg = lax.axis_index("wg")
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        def load(at, s, slot, arrived):
+            r0, c0 = at
+            ks = pl.ds(s * bk, bk)
+            a_src = a_gmem.at[ks, pl.ds(r0, bm)] if a_t else a_gmem.at[pl.ds(r0, bm), ks]
+            plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], arrived)
+            plgpu.copy_gmem_to_smem(b_gmem.at[ks, pl.ds(c0, bn)], b_smem.at[slot], arrived)
 
-        @pl.when(wg == COMPUTE_WGS)
-        def _():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        def mma(acc, slot):
+            a = plgpu.transpose_ref(a_smem.at[slot], (1, 0)) if a_t else a_smem.at[slot]
+            plgpu.wgmma(acc, a, b_smem.at[slot])
 
-        @plgpu.nd_loop((tiles,), collective_axes="sm")
-        def _item(info):
-            r0, c0 = _origin(info.index[0], m, n, bm, bn)
-            owner = lax.rem(info.local_index, COMPUTE_WGS)
+        def prologue(at):
+            c_tile = _CTile(c_gmem, epi, bars, wg, *at, None, cfg, mode, first)
+            c_tile.prefetch()
+            return c_tile
 
-            def stage(s):  # K step s's count on the ring, its slot, and the owner's barrier for its arrival
-                ring_step = info.local_index * steps + s
-                slot = lax.rem(ring_step, stages_)
-                return ring_step, slot, loaded.at[owner * stages_ + slot]
-
-            @pl.when(wg == COMPUTE_WGS)
-            def _load():
-                @pl.loop(0, steps)
-                def _step(s):
-                    ring_step, slot, arrived = stage(s)
-                    pl.when(ring_step >= stages_)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-                    ks = pl.ds(s * bk, bk)
-                    a_src = a_gmem.at[ks, pl.ds(r0, bm)] if a_t else a_gmem.at[pl.ds(r0, bm), ks]
-                    plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], arrived)
-                    plgpu.copy_gmem_to_smem(b_gmem.at[ks, pl.ds(c0, bn)], b_smem.at[slot], arrived)
-
-            @pl.when(wg == owner)
-            def _compute():
-                c_tile = _CTile(c_gmem, epi, bars, wg, r0, c0, None, cfg, mode, first)
-                c_tile.prefetch()
-
-                @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bn), F32))
-                def _acc(acc):
-                    @pl.loop(0, steps)
-                    def _step(s):
-                        _, slot, arrived = stage(s)
-                        plgpu.barrier_wait(arrived)
-                        a = plgpu.transpose_ref(a_smem.at[slot], (1, 0)) if a_t else a_smem.at[slot]
-                        plgpu.wgmma(acc, a, b_smem.at[slot])
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[slot])
-
-                    c_tile.finish(acc[...])
-
-        # the releases that no later load waited for: the memory warpgroup observes every phase too
-        programs, program = lax.axis_size("sm"), lax.axis_index("sm")
-        filled = lax.div(tiles - program + programs - 1, programs) * steps
-
-        @pl.when(wg == COMPUTE_WGS)
-        def _drain():
-            for slot in range(stages_):
-                pl.when(filled > slot)(lambda at=slot: plgpu.barrier_wait(consumed.at[at]))
+        mgpu.pingpong(tiles, steps, stages_, loaded, consumed, origin=lambda tile: _origin(tile, m, n, bm, bn),
+                      load=load, mma=mma, prologue=prologue, epilogue=lambda _, acc, c_tile: c_tile.finish(acc[...]),
+                      acc_shape=(bm, bn))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -8,7 +8,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, TILE_ROWS, short
+from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, LOGITS_PINGPONG, TILE_ROWS, short
 from fce_core.rows import safe_targets
 
 from .. import arrays
@@ -16,7 +16,7 @@ from .. import arrays
 from . import fastmath as fm
 from .fastmath import LOG2E
 from .launch import call, interpret_mode
-from .logit_tiles_mgpu import mosaic_logit_tiles, supports
+from .logit_tiles_mgpu import mosaic_logit_tiles, pingpong_supports, supports
 from .row_stats import logit_transform
 from ..sums import pairwise_sum
 
@@ -162,12 +162,18 @@ def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, int
     where torch's ops would cost the host). Returns (the exp-scaled tile values: rows [row0, row0 + n) of
     `into`, updated, or of a new [out_rows, V] array in x's dtype (default: the n rows alone; its other rows
     undefined), None without `store`; the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V /
-    tile_n) tiles). With `cfg.mosaic` the Mosaic GPU kernel (same bits) runs where `logit_tiles_mgpu.supports`
-    says it applies (`row0_multiple`: what a traced row0 is known to be a multiple of)."""
+    tile_n) tiles). With `cfg.mosaic` (opt-in) it runs on Mosaic GPU, with the same bits: on the ping-pong
+    kernel (LOGITS_PINGPONG, fce_torch's schedule) where `logit_tiles_mgpu.pingpong_supports` says it applies,
+    else on the split-tile kernel where `logit_tiles_mgpu.supports` does (`row0_multiple`: what a traced row0 is
+    known to be a multiple of)."""
     cfg = gemm_config(cfg, x.shape[0])
     y_safe = safe_targets(arrays, y, w.shape[0])
-    if cfg.mosaic and supports(x, w, bias, class_weights, transform, cfg, into=into, out_rows=out_rows, row0=row0,
-                               row0_multiple=row0_multiple):
+    places = dict(into=into, out_rows=out_rows, row0=row0, row0_multiple=row0_multiple)
+    if cfg.mosaic and pingpong_supports(x, w, bias, class_weights, transform, cfg, LOGITS_PINGPONG,
+                                        has_pz=spec.pz, **places):
+        return mosaic_logit_tiles(x, w, y_safe, has_q=spec.q, has_pz=spec.pz, store=store, cfg=cfg, into=into,
+                                  row0=row0, out_rows=out_rows, pingpong=LOGITS_PINGPONG)
+    if cfg.mosaic and supports(x, w, bias, class_weights, transform, cfg, **places):
         return mosaic_logit_tiles(x, w, y_safe, has_q=spec.q, has_pz=spec.pz, store=store, cfg=cfg, bias=bias,
                                   class_weights=class_weights, temperature=transform.temperature, into=into,
                                   row0=row0, out_rows=out_rows)

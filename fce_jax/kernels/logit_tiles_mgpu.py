@@ -1,9 +1,18 @@
 """The fused engine's logits GEMM with its statistics epilogue (logit_tiles.py) on Pallas Mosaic GPU, for
-16-bit operands: TMA loads, a warp-specialized wgmma pipeline, persistent programs. Opt-in
-(`GemmConfig.mosaic`), and not to be enabled: on the H100 it is slower than the Triton lowering's kernel, and its
-bits differ there with q and pz, a temperature with a bias, or class weights (bench/results/nvidia-h100/
-engine-v2-flags/; it hung on the H200 before a race in its epilogue was removed). The same bits as the Triton
-lowering's kernel and fce_torch's by construction, except where LLVM contracts a product into a sum (NUMERICS):
+16-bit operands: TMA loads, wgmma, persistent programs. Opt-in (`GemmConfig.mosaic`), and not enabled: on the
+H100 neither kernel is faster than the Triton lowering's at every chunk shape. Two kernels:
+
+- `_pingpong_kernel` (raw logits, `pingpong_supports`): fce_torch's ping-pong schedule (logit_tiles_gluon.py) on
+  `mgpu.pingpong`, so that one compute warpgroup's epilogue runs under the other's wgmma. fce_torch's bits in e
+  and in every partial but pz on the H100; per chunk 0.57 against the Triton lowering's 0.64 ms at
+  768x640x262144, 5-29% slower at H >= 2048 (bench/results/nvidia-h100/mosaic-logits-pingpong/);
+- `_kernel` (a bias, a temperature, class weights too): a warp-specialized pipeline whose two compute
+  warpgroups split each 128-row tile and run its epilogue together. Slower than the Triton lowering's kernel on
+  the H100, and its bits differ there with q and pz, a temperature with a bias, or class weights
+  (bench/results/nvidia-h100/engine-v2-flags/; it hung on the H200 before a race in its epilogue was removed).
+
+The same bits as the Triton lowering's kernel and fce_torch's by construction, except where LLVM contracts a
+product into a sum (NUMERICS):
 
 - the products: K ascending in whole tile_k steps, as every tiling gives them (docs/NUMERICS.md);
 - the max, the argmax (a min over column indices) and the target logit (a max over one column) are exact in
@@ -62,12 +71,30 @@ def supports(x, w, bias, class_weights, transform, cfg, *, into=None, out_rows=N
     64-row blocks (TMA stores a whole block, and a partial one would write rows past the chunk's) from a
     first row `row0` that is a multiple of ROW0_MULTIPLE (the stores' tiles), as an int or, traced, by the
     caller's word (`row0_multiple`)."""
-    block = cfg.tile_m // COMPUTE_WGS
+    return (cfg.tile_m // COMPUTE_WGS == 64 and cfg.tile_n >= LEAF
+            and _operands_fit(x, w, bias, class_weights, transform, 64, into, out_rows, row0, row0_multiple))
+
+
+def pingpong_supports(x, w, bias, class_weights, transform, cfg, pingpong, *, has_pz=False, into=None, out_rows=None,
+                      row0=0, row0_multiple=1):
+    """Whether the ping-pong kernel (`pingpong`, a PingPongConfig, on cfg.tile_n columns) computes these
+    statistics with fce_torch's bits: as `supports` says, on tiles of 64 rows (one warpgroup's), column blocks
+    of at least LEAF columns and 32 bytes (the e blocks' narrowest swizzle), at least two stages (a step's stage is released once the next step's wgmma is
+    issued), raw logits (no bias, temperature or class weights: fce_torch's ping-pong kernel leaves a bias and
+    a temperature to its Triton kernel too) and no pz (`has_pz`: its bits differed from fce_torch's on the
+    H100, bench/results/nvidia-h100/mosaic-logits-pingpong/)."""
+    width = cfg.tile_n // max(pingpong.parts, pingpong.parts_q_pz)
+    return (pingpong.tile_m == 64 and width >= LEAF and width * jnp.dtype(x.dtype).itemsize >= 32
+            and pingpong.num_stages >= 2 and bias is None and class_weights is None and not has_pz
+            and not transform.has_temperature
+            and _operands_fit(x, w, bias, class_weights, transform, 64, into, out_rows, row0, row0_multiple))
+
+
+def _operands_fit(x, w, bias, class_weights, transform, block, into, out_rows, row0, row0_multiple):
     aligned = (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
     return (jnp.dtype(x.dtype).itemsize == 2 and x.dtype == w.dtype and x.shape[0] > 0 and x.shape[1] % 8 == 0
             and w.shape[0] % 64 == 0 and (bias is None or jnp.dtype(bias.dtype).itemsize in (2, 4))
             and (class_weights is None or class_weights.dtype == F32) and transform.softcap is None
-            and cfg.tile_n >= LEAF and block == 64
             and (into is None and out_rows is None and isinstance(row0, int) and row0 == 0
                  or x.shape[0] % block == 0 and aligned))
 
@@ -138,10 +165,8 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
                     if temperature != 1.0:
                         total = total / temperature
                     plgpu.barrier_wait(bars.at[wg])
-                    stats = _statistics(total, y_smem.at[wg][...], c0, vocab, has_q, has_pz,
-                                        col[-1] if has_cw else None)
-                    e, stats = stats[0], stats[1:]
-                    if store:
+
+                    def store_e(_, e):
                         e_smem.at[wg][...] = e.astype(dtype)
                         plgpu.commit_smem()
 
@@ -149,6 +174,9 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
                         def _store():
                             out = pl.multiple_of(row0_gmem[...] + first, ROW0_MULTIPLE)
                             plgpu.copy_smem_to_gmem(e_smem.at[wg], e_gmem.at[pl.ds(out, bm), pl.ds(c0, bn)])
+
+                    stats = _statistics(total, y_smem.at[wg][...], c0, vocab, has_q, has_pz,
+                                        col[-1] if has_cw else None, store_e=store_e if store else None)
                     for p, v in zip(parts_gmem, stats):  # a column of [rows, T]: the rows' own stores
                         p.at[rows, t][...] = v
 
@@ -158,60 +186,158 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _statistics(total, y, c0, vocab, has_q, has_pz, cw):
-    """(e, m, s, amax, zy[, q][, pz]) of one warpgroup's rows of the tile, from its float32 logits `total` (`cw`:
-    the columns' class weights, 0 past V, or None)."""
+def _pingpong_kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden, n_tiles, has_q, has_pz,
+                     store, tile_n, cfg, stages_):
+    """fce_torch's ping-pong schedule (logit_tiles_gluon.py) on `mgpu.pingpong`: tiles of cfg.tile_m x tile_n,
+    row blocks fastest, that the two compute warpgroups take in turns, so that one's epilogue runs under the
+    other's wgmma. The epilogue (`_statistics`, in cfg.parts column blocks or
+    cfg.parts_q_pz with q or pz) stages each block's e in shared memory of its owner's for a TMA store, and
+    stores the partials' column of [rows, T]. y comes padded to whole row blocks."""
+    bm, bn, bk = cfg.tile_m, tile_n, cfg.tile_k
+    e_gmem, *parts_gmem = out_gmem if store else (None, *out_gmem)
+    n_m, steps = pl.cdiv(n_rows, bm), pl.cdiv(hidden, bk)
+    parts = cfg.parts_q_pz if has_q or has_pz else cfg.parts
+    width = bn // parts
+    dtype = x_gmem.dtype
+    ring = dict(
+        x_smem=plgpu.SMEM((stages_, bm, bk), dtype, transforms=mgpu.transforms(bk, dtype)),
+        w_smem=plgpu.SMEM((stages_, bn, bk), dtype, transforms=mgpu.transforms(bk, dtype)),
+        e_smem=plgpu.SMEM((COMPUTE_WGS, bm, width) if store else (1,), dtype,
+                          transforms=mgpu.transforms(width, dtype) if store else ()),
+        **mgpu.pingpong_barriers(stages_))
+
+    @functools.partial(pl.run_scoped, **ring, collective_axes="wg")
+    def _scope(x_smem, w_smem, e_smem, loaded, consumed):
+        wg = lax.axis_index("wg")
+
+        def origin(item):  # row blocks fastest, as the Triton kernels: the programs at work share a W tile
+            t = lax.div(item, n_m)
+            return lax.rem(item, n_m) * bm, t, t * bn
+
+        def load(at, s, slot, arrived):
+            r0, _, c0 = at
+            ks = pl.ds(s * bk, bk)
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(r0, bm), ks], x_smem.at[slot], arrived)
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(c0, bn), ks], w_smem.at[slot], arrived)
+
+        def mma(acc, slot):
+            plgpu.wgmma(acc, x_smem.at[slot], plgpu.transpose_ref(w_smem.at[slot], (1, 0)))
+
+        def epilogue(at, acc, _):
+            r0, t, c0 = at
+
+            def store_e(j, e):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read the buffer
+                e_smem.at[wg][...] = e.astype(dtype)
+                plgpu.commit_smem()
+                out = pl.multiple_of(row0_gmem[...] + r0, ROW0_MULTIPLE)
+                plgpu.copy_smem_to_gmem(e_smem.at[wg], e_gmem.at[pl.ds(out, bm), pl.ds(c0 + j * width, width)])
+
+            stats = _statistics(acc[...], _rows(y_gmem, r0, bm), c0, vocab, has_q, has_pz, None, parts=parts,
+                                store_e=store_e if store else None)
+            for p, v in zip(parts_gmem, stats):  # a column of [rows, T]: the rows' own stores
+                p.at[pl.ds(r0, bm), t][...] = v
+
+        mgpu.pingpong(n_m * n_tiles, steps, stages_, loaded, consumed, origin=origin, load=load, mma=mma,
+                      epilogue=epilogue, acc_shape=(bm, bn))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _rows(v_gmem, r0, rows):
+    """v_gmem[r0 : r0 + rows] in registers, laid out as the rows of a WGMMA tile (the interpreter: plain)."""
+    if interpret_mode():
+        return v_gmem[pl.ds(r0, rows)]
+    return plgpu.load(v_gmem, pl.ds(r0, rows), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+
+def _statistics(total, y, c0, vocab, has_q, has_pz, cw, *, parts=1, store_e=None):
+    """(m, s, amax, zy[, q][, pz]) of one warpgroup's rows of the tile, from its float32 logits `total` (`cw`:
+    the columns' class weights, 0 past V, or None). e and the sums go over the columns in `parts` blocks, left
+    to right, each pair of blocks' sums added as `tree_sum` adds the halves of a width: the bits of one tree
+    over every column (fce_torch's ping-pong kernel takes the same blocks). `store_e(j, e)`: block j's e, as
+    it is formed."""
     shape = total.shape
     layout = None if interpret_mode() else plgpu.Layout.WGMMA
-    cols = c0 + (lax.broadcasted_iota(jnp.int32, shape, 1) if layout is None else
-                 plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout))
-    col_ok = cols < vocab
+
+    def iota(width):  # column indices within the tile: c0 + them beside the accumulator take registers
+        return (lax.broadcasted_iota(jnp.int32, (shape[0], width), 1) if layout is None else
+                plgpu.broadcasted_iota(jnp.int32, (shape[0], width), 1, layout=layout))
+
+    local = iota(shape[1])
+    in_v = vocab - c0  # columns of the tile inside V
     # The column mask is skipped in every tile but a partial last one (a predicate of scalars). The target's
     # column is looked for in every tile: skipping tiles without targets needs a reduction over the warpgroup's
     # rows to one scalar, whose cross-warp scratch Mosaic GPU places once per kernel, shared by both compute
     # warpgroups with only a warpgroup barrier around it (a race: a warp could read the other warpgroup's
     # partials and drop its rows' target logit).
     partial = c0 + shape[1] > vocab
-    z = lax.cond(partial, lambda: jnp.where(col_ok, total, -jnp.inf), lambda: total)
+    z = lax.cond(partial, lambda: jnp.where(local < in_v, total, -jnp.inf), lambda: total)
     number = z == z
     m_t = jnp.max(jnp.where(number, z, -jnp.inf), axis=1)
     m_b = lax.broadcast_in_dim(m_t, shape, [0])
-    amax = jnp.min(jnp.where(z == m_b, cols, I32_MAX), axis=1)
-    zy = jnp.max(jnp.where((cols == lax.broadcast_in_dim(y, shape, [0])) & number, z, -jnp.inf), axis=1)
-    e = jnp.exp2((z - m_b) * LOG2E)
-    out = [e, m_t, tree_sum(e), amax, zy]
-    if has_q or has_pz:
-        d = z - m_b
-        d = lax.cond(partial, lambda: jnp.where(col_ok, d, 0.0), lambda: d)
+    arg = jnp.min(jnp.where(z == m_b, local, I32_MAX), axis=1)
+    amax = jnp.where(arg < shape[1], arg + c0, arg)  # none equals a NaN max: I32_MAX, as Triton's
+    zy = jnp.max(jnp.where((local == lax.broadcast_in_dim(y - c0, shape, [0])) & number, z, -jnp.inf), axis=1)
+    width = shape[1] // parts
+    sums = []
+    for j in range(parts):
+        cols = slice(j * width, (j + 1) * width)
+        d = z[:, cols] - lax.broadcast_in_dim(m_t, (shape[0], width), [0])
+        e = jnp.exp2(d * LOG2E)
+        if store_e is not None:
+            store_e(j, e)
+        block = [tree_sum(e)]
+        if has_q or has_pz:
+            d = lax.cond(partial, lambda d=d, j=j: jnp.where(iota(width) < in_v - j * width, d, 0.0), lambda d=d: d)
         if has_q:  # a weighted product rounded, never an FMA with the tree's adds
-            out.append(tree_sum(d if cw is None else lax.optimization_barrier(cw * d)))
+            block.append(tree_sum(d if cw is None else lax.optimization_barrier(cw[:, cols] * d)))
         if has_pz:
-            out.append(tree_sum(lax.optimization_barrier(e * d)))  # rounded, never an FMA with the tree's adds
-    return out
+            block.append(tree_sum(lax.optimization_barrier(e * d)))  # rounded, never an FMA with the tree's adds
+        sums.append(block)
+    s, *q_pz = _halves_sum(sums)
+    return [m_t, s, amax, zy, *q_pz]
+
+
+def _halves_sum(blocks):
+    """The column blocks' sums [[s, q, pz] of each block] added as `tree_sum` adds the halves of a width."""
+    if len(blocks) == 1:
+        return blocks[0]
+    half = len(blocks) // 2
+    return [a + b for a, b in zip(_halves_sum(blocks[:half]), _halves_sum(blocks[half:]))]
 
 
 def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, class_weights=None, temperature=1.0,
-                       into=None, row0=0, out_rows=None):
+                       into=None, row0=0, out_rows=None, pingpong=None):
     """logit_tiles.py's `logit_tiles` on Mosaic GPU, where `supports` holds (`bias` and `class_weights` [V] or
     None, the transform's `temperature`): (the tile values, rows [row0, row0 + n) of `into` updated or of a new
-    [out_rows or n, V] array, or None without `store`; {m, s, amax, zy[, q][, pz]} of [n, T])."""
+    [out_rows or n, V] array, or None without `store`; {m, s, amax, zy[, q][, pz]} of [n, T]). With `pingpong`
+    (a PingPongConfig, where `pingpong_supports` holds) the ping-pong kernel on its launch, cfg.tile_n wide."""
     columns = [c for c in (bias, class_weights if has_q else None) if c is not None]  # only q reads the weights
     n, hidden = x.shape
     vocab = w.shape[0]
     n_tiles = pl.cdiv(vocab, cfg.tile_n)
     names = ["m", "s", "amax", "zy"] + ["q"] * has_q + ["pz"] * has_pz
-    padded = pl.cdiv(n, cfg.tile_m) * cfg.tile_m  # whole row blocks: the partials' stores stay inside
+    tile_m = cfg.tile_m if pingpong is None else pingpong.tile_m
+    padded = pl.cdiv(n, tile_m) * tile_m  # whole row blocks: the partials' stores stay inside
     parts = [jax.ShapeDtypeStruct((padded, n_tiles), jnp.int32 if k == "amax" else F32) for k in names]
     itemsize = jnp.dtype(x.dtype).itemsize
-    fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4) + COMPUTE_WGS * cfg.tile_n * sum(
-        jnp.dtype(c.dtype).itemsize for c in columns)  # the tile values, targets and column blocks
-    per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
-    body = functools.partial(_kernel, n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles,
-                             has_bias=bias is not None, has_cw=has_q and class_weights is not None,
-                             temperature=float(temperature), has_q=has_q, has_pz=has_pz,
-                             store=store, cfg=cfg, stages_=mgpu.stages(cfg, per_stage, fixed))
+    flags = dict(n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles, has_q=has_q, has_pz=has_pz, store=store)
+    if pingpong is None:
+        fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4) + COMPUTE_WGS * cfg.tile_n * sum(
+            jnp.dtype(c.dtype).itemsize for c in columns)  # the tile values, targets and column blocks
+        per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
+        body = functools.partial(_kernel, has_bias=bias is not None, has_cw=has_q and class_weights is not None,
+                                 temperature=float(temperature), cfg=cfg,
+                                 stages_=mgpu.stages(cfg, per_stage, fixed), **flags)
+    else:
+        width = cfg.tile_n // (pingpong.parts_q_pz if has_q or has_pz else pingpong.parts)
+        per_stage = (pingpong.tile_m + cfg.tile_n) * pingpong.tile_k * itemsize
+        body = functools.partial(_pingpong_kernel, tile_n=cfg.tile_n, cfg=pingpong, **flags, stages_=mgpu.stages(
+            pingpong, per_stage, COMPUTE_WGS * pingpong.tile_m * width * itemsize * store))  # the owners' e blocks
+        y_safe = jnp.pad(y_safe, (0, padded - n))  # the targets of whole row blocks, read from global memory
     new = [] if not store or into is not None else [jax.ShapeDtypeStruct((out_rows or n, vocab), x.dtype)]
-    launch = mgpu.kernel(body, programs=mgpu.programs(pl.cdiv(n, cfg.tile_m) * n_tiles), compute_threads=COMPUTE_WGS,
+    launch = mgpu.kernel(body, programs=mgpu.programs(pl.cdiv(n, tile_m) * n_tiles), compute_threads=COMPUTE_WGS,
                          approx_math=not interpret_mode(),  # ex2.approx.ftz.f32 on the GPU; XLA's exp2 here
                          out_type=tuple(typed(new + parts, (x, w))))
     args = [x, w, y_safe, jnp.asarray(row0, jnp.int32), *columns]

@@ -21,11 +21,17 @@ import os
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
 
 from .launch import interpret_mode
 
 SHARED_BYTES = 216 * 1024  # of the H200's 227 KiB per block: the pipeline's stages and the epilogue's tiles
 INTERPRETER_PROGRAMS = 2
+PINGPONG_WGS = 2  # compute warpgroups of a ping-pong block
+# setmaxnreg of a ping-pong block's warpgroups, per thread: the memory warpgroup's, and each compute warpgroup's
+# share of the rest of the register file (as emit_pipeline_warp_specialized shares it)
+MEMORY_REGISTERS = 40
+COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // PINGPONG_WGS // 8 * 8
 INTERPRETER_POOL_THREADS = 8  # blocked at once at most: a launch's callback and 3 warpgroups, with room to spare
 
 
@@ -48,6 +54,81 @@ def transforms(block_minor, dtype):
 def stages(cfg, per_stage_bytes, fixed_bytes):
     """The pipeline depth: cfg.num_stages, fewer where that many stages would not fit next to `fixed_bytes`."""
     return max(1, min(cfg.num_stages, (SHARED_BYTES - fixed_bytes) // per_stage_bytes))
+
+
+def pingpong_barriers(stages_):
+    """The ring's barriers of `pingpong`: `loaded` (each compute warpgroup's per stage, two copies' arrivals)
+    and `consumed` (per stage)."""
+    return dict(loaded=plgpu.Barrier(num_arrivals=2, num_barriers=PINGPONG_WGS * stages_),
+                consumed=plgpu.Barrier(num_barriers=stages_))
+
+
+def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epilogue, acc_shape, prologue=None):
+    """The ping-pong schedule, inside a block's scope over its warpgroups ("wg"; the memory warpgroup last):
+    the program's items (a persistent loop over `items`, collective over "sm") alternate between the two
+    compute warpgroups, so that one's epilogue runs under the other's wgmma.
+
+    The memory warpgroup fills one ring of `stages_` stages with the K steps of the program's items in order,
+    `load(at, s, slot, barrier)` issuing step s's two copies of item `at = origin(item)`; each stage's arrival
+    is signalled on a barrier of the item's owner's (`loaded`), so that a warpgroup waits on every phase of
+    its own barriers and on no other's. The owner runs `prologue(at)` (its value: `state`), `mma(acc, slot)`
+    per step with one wgmma group left in flight (the previous step's stage released on `consumed` once the
+    next is issued), then `epilogue(at, acc, state)`. Each warpgroup's loop sits in a branch of its own after
+    its setmaxnreg: where the branches joined inside the loop, ptxas ignored both, and a 64x256 float32
+    accumulator spilled under the 168 registers a thread left."""
+    wg = lax.axis_index("wg")
+
+    def each_item(body):
+        @plgpu.nd_loop((items,), collective_axes="sm")
+        def _item(info):
+            body(info.local_index, origin(info.index[0]))
+
+    def stage(i, s):  # the ring's count of the program's i-th item's K step s, its slot, its arrival barrier
+        ring_step = i * steps + s
+        slot = lax.rem(ring_step, stages_)
+        return ring_step, slot, loaded.at[lax.rem(i, PINGPONG_WGS) * stages_ + slot]
+
+    @pl.when(wg == PINGPONG_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+        @each_item
+        def _load(i, at):
+            @pl.loop(0, steps)
+            def _step(s):
+                ring_step, slot, arrived = stage(i, s)
+                pl.when(ring_step >= stages_)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+                load(at, s, slot, arrived)
+
+        # the releases that no later load waited for: the memory warpgroup observes every phase too
+        programs, program = lax.axis_size("sm"), lax.axis_index("sm")
+        filled = lax.div(items - program + programs - 1, programs) * steps
+        for slot in range(stages_):
+            pl.when(filled > slot)(lambda at=slot: plgpu.barrier_wait(consumed.at[at]))
+
+    @pl.when(wg < PINGPONG_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+
+        @each_item
+        def _owned(i, at):
+            @pl.when(lax.rem(i, PINGPONG_WGS) == wg)
+            def _():
+                state = prologue(at) if prologue is not None else None
+
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC(acc_shape, jax.numpy.float32))
+                def _acc(acc):
+                    @pl.loop(0, steps)
+                    def _step(s):
+                        _, slot, arrived = stage(i, s)
+                        plgpu.barrier_wait(arrived)
+                        mma(acc, slot)
+                        plgpu.wgmma_wait(1)
+                        pl.when(s > 0)(lambda: plgpu.barrier_arrive(consumed.at[stage(i, s - 1)[1]]))
+
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[stage(i, steps - 1)[1]])
+                    epilogue(at, acc, state)
 
 
 def kernel(body, *, out_type, programs, compute_threads, approx_math=False):
