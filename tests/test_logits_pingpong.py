@@ -188,6 +188,9 @@ def test_jax_pingpong_kernel_scope():
     assert not jm.pingpong_supports(x.astype(jnp.float32), w.astype(jnp.float32), None, None, tr, PP_TILES, pp)
     assert not jm.pingpong_supports(x, w[:312], None, None, tr, PP_TILES, pp)
     assert not jm.pingpong_supports(x, w, None, None, tr, PP_TILES, dataclasses.replace(pp, num_stages=1))
+    with pytest.raises(ValueError, match="2 stages or more"):  # the ring's own check, for any caller
+        jm.mosaic_logit_tiles(x, w, jnp.zeros((200,), jnp.int32), has_q=False, has_pz=False, store=True,
+                              cfg=PP_TILES, pingpong=dataclasses.replace(pp, num_stages=1))
     assert not jm.pingpong_supports(x, w, None, None, tr, dataclasses.replace(PP_TILES, tile_n=32), pp)  # 16 bytes
     assert not jm.pingpong_supports(x, w, None, None, tr, PP_TILES, pp, out_rows=400)
     assert jm.pingpong_supports(x[:192], w, None, None, tr, PP_TILES, pp, out_rows=400, row0=8)

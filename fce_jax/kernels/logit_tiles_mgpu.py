@@ -79,9 +79,9 @@ def pingpong_supports(x, w, bias, class_weights, transform, cfg, pingpong, *, ha
                       row0=0, row0_multiple=1):
     """Whether the ping-pong kernel (`pingpong`, a PingPongConfig, on cfg.tile_n columns) computes these
     statistics with fce_torch's bits: as `supports` says, on tiles of 64 rows (one warpgroup's), column blocks
-    of at least LEAF columns and 32 bytes (the e blocks' narrowest swizzle), at least two stages (a step's stage is released once the next step's wgmma is
-    issued), raw logits (no bias, temperature or class weights: fce_torch's ping-pong kernel leaves a bias and
-    a temperature to its Triton kernel too) and no pz (`has_pz`: its bits differed from fce_torch's on the
+    of at least LEAF columns and 32 bytes (the e blocks' narrowest swizzle), at least two stages (a step's stage
+    is released once the next step's wgmma is issued), raw logits (no bias, temperature or class weights:
+    fce_torch's ping-pong kernel leaves a bias and a temperature to its Triton kernel too) and no pz (`has_pz`: its bits differed from fce_torch's on the
     H100, bench/results/nvidia-h100/mosaic-logits-pingpong/)."""
     width = cfg.tile_n // max(pingpong.parts, pingpong.parts_q_pz)
     return (pingpong.tile_m == 64 and width >= LEAF and width * jnp.dtype(x.dtype).itemsize >= 32

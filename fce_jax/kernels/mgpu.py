@@ -76,6 +76,9 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
     next is issued), then `epilogue(at, acc, state)`. Each warpgroup's loop sits in a branch of its own after
     its setmaxnreg: where the branches joined inside the loop, ptxas ignored both, and a 64x256 float32
     accumulator spilled under the 168 registers a thread left."""
+    if stages_ < 2:
+        raise ValueError(f"a ping-pong ring needs 2 stages or more (a step's stage is released once the next step's "
+                         f"wgmma is issued), got {stages_}")
     wg = lax.axis_index("wg")
 
     def each_item(body):
