@@ -81,8 +81,8 @@ def pingpong_supports(x, w, bias, class_weights, transform, cfg, pingpong, *, ha
     statistics with fce_torch's bits: as `supports` says, on tiles of 64 rows (one warpgroup's), column blocks
     of at least LEAF columns and 32 bytes (the e blocks' narrowest swizzle), at least two stages (a step's stage
     is released once the next step's wgmma is issued), raw logits (no bias, temperature or class weights:
-    fce_torch's ping-pong kernel leaves a bias and a temperature to its Triton kernel too) and no pz (`has_pz`: its bits differed from fce_torch's on the
-    H100, bench/results/nvidia-h100/mosaic-logits-pingpong/)."""
+    fce_torch's ping-pong kernel leaves a bias and a temperature to its Triton kernel too) and no pz (`has_pz`:
+    its bits differed from fce_torch's on the H100, bench/results/nvidia-h100/mosaic-logits-pingpong/)."""
     width = cfg.tile_n // max(pingpong.parts, pingpong.parts_q_pz)
     return (pingpong.tile_m == 64 and width >= LEAF and width * jnp.dtype(x.dtype).itemsize >= 32
             and pingpong.num_stages >= 2 and bias is None and class_weights is None and not has_pz
