@@ -190,9 +190,9 @@ def _pingpong_kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab
                      store, tile_n, cfg, stages_):
     """fce_torch's ping-pong schedule (logit_tiles_gluon.py) on `mgpu.pingpong`: tiles of cfg.tile_m x tile_n,
     row blocks fastest, that the two compute warpgroups take in turns, so that one's epilogue runs under the
-    other's wgmma. The epilogue (`_statistics`, in cfg.parts column blocks or
-    cfg.parts_q_pz with q or pz) stages each block's e in shared memory of its owner's for a TMA store, and
-    stores the partials' column of [rows, T]. y comes padded to whole row blocks."""
+    other's wgmma. The epilogue (`_statistics`, in cfg.parts column blocks or cfg.parts_q_pz with q or pz)
+    stages each block's e in shared memory of its owner's for a TMA store, and stores the partials' column of
+    [rows, T]. y comes padded to whole row blocks."""
     bm, bn, bk = cfg.tile_m, tile_n, cfg.tile_k
     e_gmem, *parts_gmem = out_gmem if store else (None, *out_gmem)
     n_m, steps = pl.cdiv(n_rows, bm), pl.cdiv(hidden, bk)
