@@ -20,11 +20,10 @@ from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, gemm_items, reads_c, rows
 
 from . import fastmath as fm
 from . import mgpu
-from .mgpu import MEMORY_REGISTERS
+from .mgpu import COMPUTE_WGS, MEMORY_REGISTERS
 from .grad_gemms import F32, tma_rows
 from .launch import typed
 
-COMPUTE_WGS = 2      # compute warpgroups of a block, each on tile_m / 2 rows of the tile
 EPILOGUE_ROWS = 64   # rows of a compute warpgroup's epilogue block in shared memory
 LOADED_COLS = 64     # columns of an epilogue block that C is loaded into (ADD, PAIR), two of them in flight
 

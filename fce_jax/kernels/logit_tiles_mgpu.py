@@ -40,13 +40,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import mgpu
+from .mgpu import COMPUTE_WGS, MEMORY_REGISTERS
 from .fastmath import LOG2E
 from .launch import interpret_mode, typed
 from ..sums import pairwise_sum
 
 F32 = jnp.float32
 I32_MAX = jnp.iinfo(jnp.int32).max
-COMPUTE_WGS = 2    # compute warpgroups of a block, each on tile_m / 2 rows of the tile
 LEAF = 8           # columns of a tree leaf: a thread's pair of columns and the 4 lanes holding the rest
 ROW0_MULTIPLE = 8  # the tile values' first row: whole tiles of the stores' shared-memory layout
 
@@ -72,7 +72,7 @@ def supports(x, w, bias, class_weights, transform, cfg, *, into=None, out_rows=N
     first row `row0` that is a multiple of ROW0_MULTIPLE (the stores' tiles), as an int or, traced, by the
     caller's word (`row0_multiple`)."""
     return (cfg.tile_m // COMPUTE_WGS == 64 and cfg.tile_n >= LEAF
-            and _operands_fit(x, w, bias, class_weights, transform, 64, into, out_rows, row0, row0_multiple))
+            and _operands_fit(x, w, bias, class_weights, transform, into, out_rows, row0, row0_multiple))
 
 
 def pingpong_supports(x, w, bias, class_weights, transform, cfg, pingpong, *, has_pz=False, into=None, out_rows=None,
@@ -87,16 +87,17 @@ def pingpong_supports(x, w, bias, class_weights, transform, cfg, pingpong, *, ha
     return (pingpong.tile_m == 64 and width >= LEAF and width * jnp.dtype(x.dtype).itemsize >= 32
             and pingpong.num_stages >= 2 and bias is None and class_weights is None and not has_pz
             and not transform.has_temperature
-            and _operands_fit(x, w, bias, class_weights, transform, 64, into, out_rows, row0, row0_multiple))
+            and _operands_fit(x, w, bias, class_weights, transform, into, out_rows, row0, row0_multiple))
 
 
-def _operands_fit(x, w, bias, class_weights, transform, block, into, out_rows, row0, row0_multiple):
+def _operands_fit(x, w, bias, class_weights, transform, into, out_rows, row0, row0_multiple):
+    """`supports`' rules on the operands and the rows of e, for both kernels' 64-row blocks."""
     aligned = (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
     return (jnp.dtype(x.dtype).itemsize == 2 and x.dtype == w.dtype and x.shape[0] > 0 and x.shape[1] % 8 == 0
             and w.shape[0] % 64 == 0 and (bias is None or jnp.dtype(bias.dtype).itemsize in (2, 4))
             and (class_weights is None or class_weights.dtype == F32) and transform.softcap is None
             and (into is None and out_rows is None and isinstance(row0, int) and row0 == 0
-                 or x.shape[0] % block == 0 and aligned))
+                 or x.shape[0] % 64 == 0 and aligned))
 
 
 def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_tiles, has_bias, has_cw,
@@ -117,8 +118,8 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
 
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
-            max_concurrent_steps=stages_, compute_context=context)
+            body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
+            num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=stages_, compute_context=context)
 
     allocs = pipeline(None, None).get_allocations(x_gmem, w_gmem)
     scratch = dict(
@@ -187,16 +188,15 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
 
 
 def _pingpong_kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden, n_tiles, has_q, has_pz,
-                     store, tile_n, cfg, stages_):
+                     store, tile_n, parts, cfg, stages_):
     """fce_torch's ping-pong schedule (logit_tiles_gluon.py) on `mgpu.pingpong`: tiles of cfg.tile_m x tile_n,
     row blocks fastest, that the two compute warpgroups take in turns, so that one's epilogue runs under the
-    other's wgmma. The epilogue (`_statistics`, in cfg.parts column blocks or cfg.parts_q_pz with q or pz)
-    stages each block's e in shared memory of its owner's for a TMA store, and stores the partials' column of
-    [rows, T]. y comes padded to whole row blocks."""
+    other's wgmma. The epilogue (`_statistics`, in `parts` column blocks) stages each block's e in shared memory
+    of its owner's for a TMA store, and stores the partials' column of [rows, T]. y comes padded to whole row
+    blocks."""
     bm, bn, bk = cfg.tile_m, tile_n, cfg.tile_k
     e_gmem, *parts_gmem = out_gmem if store else (None, *out_gmem)
     n_m, steps = pl.cdiv(n_rows, bm), pl.cdiv(hidden, bk)
-    parts = cfg.parts_q_pz if has_q or has_pz else cfg.parts
     width = bn // parts
     dtype = x_gmem.dtype
     ring = dict(
@@ -331,10 +331,11 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, cl
                                  temperature=float(temperature), cfg=cfg,
                                  stages_=mgpu.stages(cfg, per_stage, fixed), **flags)
     else:
-        width = cfg.tile_n // (pingpong.parts_q_pz if has_q or has_pz else pingpong.parts)
+        blocks = pingpong.parts_q_pz if has_q or has_pz else pingpong.parts  # column blocks of the epilogue
         per_stage = (pingpong.tile_m + cfg.tile_n) * pingpong.tile_k * itemsize
-        body = functools.partial(_pingpong_kernel, tile_n=cfg.tile_n, cfg=pingpong, **flags, stages_=mgpu.stages(
-            pingpong, per_stage, COMPUTE_WGS * pingpong.tile_m * width * itemsize * store))  # the owners' e blocks
+        e_blocks = COMPUTE_WGS * pingpong.tile_m * cfg.tile_n // blocks * itemsize * store  # one of each owner's
+        body = functools.partial(_pingpong_kernel, tile_n=cfg.tile_n, parts=blocks, cfg=pingpong, **flags,
+                                 stages_=mgpu.stages(pingpong, per_stage, e_blocks))
         y_safe = jnp.pad(y_safe, (0, padded - n))  # the targets of whole row blocks, read from global memory
     new = [] if not store or into is not None else [jax.ShapeDtypeStruct((out_rows or n, vocab), x.dtype)]
     launch = mgpu.kernel(body, programs=mgpu.programs(pl.cdiv(n, tile_m) * n_tiles), compute_threads=COMPUTE_WGS,

@@ -27,11 +27,11 @@ from .launch import interpret_mode
 
 SHARED_BYTES = 216 * 1024  # of the H200's 227 KiB per block: the pipeline's stages and the epilogue's tiles
 INTERPRETER_PROGRAMS = 2
-PINGPONG_WGS = 2  # compute warpgroups of a ping-pong block
-# setmaxnreg of a ping-pong block's warpgroups, per thread: the memory warpgroup's, and each compute warpgroup's
+COMPUTE_WGS = 2  # compute warpgroups of a block, in every kernel here (the memory warpgroup after them)
+# setmaxnreg of a block's warpgroups, per thread: the memory warpgroup's, and each compute warpgroup's
 # share of the rest of the register file (as emit_pipeline_warp_specialized shares it)
 MEMORY_REGISTERS = 40
-COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // PINGPONG_WGS // 8 * 8
+COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // COMPUTE_WGS // 8 * 8
 INTERPRETER_POOL_THREADS = 8  # blocked at once at most: a launch's callback and 3 warpgroups, with room to spare
 
 
@@ -59,7 +59,7 @@ def stages(cfg, per_stage_bytes, fixed_bytes):
 def pingpong_barriers(stages_):
     """The ring's barriers of `pingpong`: `loaded` (each compute warpgroup's per stage, two copies' arrivals)
     and `consumed` (per stage)."""
-    return dict(loaded=plgpu.Barrier(num_arrivals=2, num_barriers=PINGPONG_WGS * stages_),
+    return dict(loaded=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS * stages_),
                 consumed=plgpu.Barrier(num_barriers=stages_))
 
 
@@ -89,9 +89,9 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
     def stage(i, s):  # the ring's count of the program's i-th item's K step s, its slot, its arrival barrier
         ring_step = i * steps + s
         slot = lax.rem(ring_step, stages_)
-        return ring_step, slot, loaded.at[lax.rem(i, PINGPONG_WGS) * stages_ + slot]
+        return ring_step, slot, loaded.at[lax.rem(i, COMPUTE_WGS) * stages_ + slot]
 
-    @pl.when(wg == PINGPONG_WGS)
+    @pl.when(wg == COMPUTE_WGS)
     def _memory():
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
@@ -109,13 +109,13 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
         for slot in range(stages_):
             pl.when(filled > slot)(lambda at=slot: plgpu.barrier_wait(consumed.at[at]))
 
-    @pl.when(wg < PINGPONG_WGS)
+    @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
         @each_item
         def _owned(i, at):
-            @pl.when(lax.rem(i, PINGPONG_WGS) == wg)
+            @pl.when(lax.rem(i, COMPUTE_WGS) == wg)
             def _():
                 state = prologue(at) if prologue is not None else None
 
