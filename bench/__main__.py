@@ -69,8 +69,8 @@ def _launch_field(config):
 def with_launches(logits: dict, grads: dict) -> None:
     """The fused engine's GEMM launches of both twins with these launch fields changed, for this process (a
     bench run that times a launch variant in the engine): `logits` in the logits GEMM's GemmConfig, `grads` in
-    the dX/dW GEMMs' (fce_torch's Triton configs, the JAX twin's Mosaic GPU one). Launch fields only: every
-    twin keeps its bits."""
+    the dX/dW GEMMs' (fce_torch's Triton configs, the JAX twin's Mosaic GPU one; fce_torch's Gluon dW accumulation
+    keeps GRAD_GEMM_GLUON). Launch fields only: every twin keeps its bits."""
     from fce_jax.kernels import grad_gemms as jax_grads
     from fce_jax.kernels import logit_tiles as jax_logits
     from fce_torch.kernels import grad_gemms as torch_grads

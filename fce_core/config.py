@@ -152,6 +152,23 @@ class GradGemmConfig:
 
 
 @dataclass(frozen=True)
+class SplitTileGradConfig:
+    """fce_torch's dW (hi, lo) accumulation on sm_90 for bfloat16 operands (fce_torch/kernels/grad_gemms_gluon.py,
+    Gluon; the schedule of the JAX twin's GRAD_GEMM_MOSAIC kernel): [tile_m, tile_n] output tiles whose rows two
+    compute warpgroups split, K in steps of tile_k through a ring of num_stages that a loader warp fills, each
+    warpgroup's epilogue in column blocks of epilogue_cols through two shared-memory slots; register counts of the
+    partitions (setmaxnreg). Speed only: the products and the epilogue are GradGemmConfig's, whatever the tiles."""
+    NUMERICS = ()
+    tile_m: int = 256
+    tile_n: int = 128
+    tile_k: int = 32
+    num_stages: int = 6
+    epilogue_cols: int = 32
+    compute_regs: int = 240
+    loader_regs: int = 24
+
+
+@dataclass(frozen=True)
 class BudgetConfig:
     """Memory budgets of the planner (bytes) and the row granule of a chunk."""
     NUMERICS = ("logits", "kept_logits", "grouped_logits", "tiles", "row_multiple")  # chunk shapes: GEMM bits
@@ -255,6 +272,14 @@ GRAD_GEMM_TORCH_ON_LOAD = dataclasses.replace(GRAD_GEMM_TORCH, flatten=False)
 GRAD_GEMM_MOSAIC = dataclasses.replace(GRAD_GEMM, tile_m=256, tile_n=128, num_stages=3, tma=True, persistent=True,
                                        mosaic=True)
 GRAD_GEMM_MOSAIC_SHORT_K = dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, num_stages=5)  # see GEMM_SHORT
+# fce_torch's dW (hi, lo) update for a bfloat16 weight on sm_90 (grad_gemms_gluon.applies), in place of the Triton
+# kernel: the same bits. Per chunk on the H100, against the Triton kernel: an accumulation 0.602 against 0.660 ms at
+# (768, 640, 262144), 1.789 against 1.944 at (2048, 2048, 128256), 0.714 against 0.796 at (1280, 896, 151936),
+# 2.304 against 2.441 at (1024, 4096, 128256); the first chunk and the last 4-11% faster too; 256x128x64 in 3 stages
+# was 0-11% slower than this launch but for the last chunk at H = 4096. In the engine, alternating with the tree
+# before: fce_torch fwd+bwd 43.0-44.3 -> 41.8-42.0 ms at 16384x2048, 21.1 -> 19.9 at 8192x640, 14.8-15.0 ->
+# 14.1-14.4 at 8192x896 (bench/results/nvidia-h100/gluon-dw-pair/)
+GRAD_GEMM_GLUON = SplitTileGradConfig()
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)
 # Other launch tiles than the JAX twin's in the CPU tests too: the twins' bits must not depend on them.

@@ -2,7 +2,8 @@
 ships: their epilogues must not spill registers (a pointer tensor of a whole output tile beside the
 accumulator spilled kilobytes per thread, bench/results/nvidia-h200/epilogue-registers/), and the tile merge
 must compile where its launch specializes; so must the logits GEMM's Gluon ping-pong kernel
-(fce_torch/kernels/logit_tiles_gluon.py) and the Gluon prototype of the (hi, lo) accumulation
+(fce_torch/kernels/logit_tiles_gluon.py), the Gluon kernel of dW's (hi, lo) accumulation
+(fce_torch/kernels/grad_gemms_gluon.py) and the Gluon prototype of the (hi, lo) accumulation
 (tools/gluon_dw.py). Compiled in a subprocess: this process runs the kernels in the Triton interpreter."""
 import json
 import os
@@ -237,4 +238,21 @@ def test_logits_pingpong_compiles_without_spills(options):
     partition to 168 registers, and the epilogue's column blocks (LOGITS_PINGPONG.parts, parts_q_pz) are sized
     for that. With class weights it spills 32 bytes a thread (measured faster than the Triton kernel anyway)."""
     shared, regs, spilled = _in_compiler("gluon_logits", options)
+    assert shared <= 232448 and regs <= 168 and spilled == 0
+
+
+def _gluon_grads(mode):
+    """(shared bytes, registers, spilled bytes) of dW's (hi, lo) accumulation on its Gluon kernel, GRAD_GEMM_GLUON's
+    launch, for the first chunk, an accumulation or the last one (tools/gluon_grads.py)."""
+    import gluon_grads
+    from fce_core.config import GRAD_GEMM_GLUON
+    shared, regs, spill_stores, spill_loads = gluon_grads.usage(GRAD_GEMM_GLUON, mode == "first", mode == "last")
+    return shared, regs, spill_stores + spill_loads
+
+
+@pytest.mark.parametrize("mode", ["first", "acc", "last"])
+def test_gluon_dw_compiles_without_spills(mode):
+    """fce_torch's Gluon kernel of the (hi, lo) accumulation compiles within the block's shared memory and without
+    spilling under the 168 registers a thread that ptxas holds each partition to."""
+    shared, regs, spilled = _in_compiler("gluon_grads", mode)
     assert shared <= 232448 and regs <= 168 and spilled == 0

@@ -48,10 +48,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from fce_core.config import GEMM
 from fce_core.plan import cdiv, rows_fast
 from fce_torch.kernels import fastmath as fm
-from fce_torch.kernels.grad_gemms import tile_origin
 from fce_torch.kernels.logit_tiles_gluon import owner_wait
 from ptxas_usage import ptxas_usage
-from fce_torch.kernels.tma import processors
+from fce_torch.kernels.tma import processors, tile_origin
 
 SMEM_LIMIT = 232448  # sm_90a's shared memory per block (227 KiB)
 # the epilogue partition's float32 accumulator in shared memory: 32-byte units swizzled by the row (mod 8), so that

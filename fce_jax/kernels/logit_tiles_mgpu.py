@@ -49,6 +49,7 @@ F32 = jnp.float32
 I32_MAX = jnp.iinfo(jnp.int32).max
 LEAF = 8           # columns of a tree leaf: a thread's pair of columns and the 4 lanes holding the rest
 ROW0_MULTIPLE = 8  # the tile values' first row: whole tiles of the stores' shared-memory layout
+X_ROW_TILING = 8   # the rows of x's TMA loads' shared-memory tiles
 
 
 def tree_sum(v):
@@ -91,9 +92,13 @@ def pingpong_supports(x, w, bias, class_weights, transform, cfg, pingpong, *, ha
 
 
 def _operands_fit(x, w, bias, class_weights, transform, into, out_rows, row0, row0_multiple):
-    """`supports`' rules on the operands and the rows of e, for both kernels' 64-row blocks."""
+    """`supports`' rules on the operands and the rows of e, for both kernels' 64-row blocks. x's rows: fewer than
+    X_ROW_TILING or a multiple of it (jax 0.11's lowering of x's TMA loads refuses other counts; its interpret
+    mode takes them)."""
     aligned = (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
-    return (jnp.dtype(x.dtype).itemsize == 2 and x.dtype == w.dtype and x.shape[0] > 0 and x.shape[1] % 8 == 0
+    rows = x.shape[0]
+    return (jnp.dtype(x.dtype).itemsize == 2 and x.dtype == w.dtype and 0 < rows
+            and (rows < X_ROW_TILING or rows % X_ROW_TILING == 0) and x.shape[1] % 8 == 0
             and w.shape[0] % 64 == 0 and (bias is None or jnp.dtype(bias.dtype).itemsize in (2, 4))
             and (class_weights is None or class_weights.dtype == F32) and transform.softcap is None
             and (into is None and out_rows is None and isinstance(row0, int) and row0 == 0

@@ -18,10 +18,11 @@ from fce_core.heads import TileValues
 from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, cdiv, dx_slices, gemm_items, rows_fast, waves
 
 from . import fastmath as fm
+from . import grad_gemms_gluon
 from .dlogits import row_coefficients
 from .launch import launched
 from .tile_dlogits import dz_on_load
-from .tma import ELEMENT_TYPES, column_halves, descriptors, processors, programs, stages
+from .tma import ELEMENT_TYPES, column_halves, descriptors, processors, programs, stages, tile_origin
 from ..sums import pairwise_sum
 
 F32 = torch.float32
@@ -78,19 +79,6 @@ def _epilogue(c_ptr, lo_ptr, plane, r0, c0, acc, s_cm, M, N, MODE: tl.constexpr,
         _c_store(c_ptr, plane, r0, c0, hi, s_cm, M, N, DESC, False)
         if MODE == 2:
             _c_store(lo_ptr, plane, r0, c0, lo, s_cm, M, N, DESC, False)
-
-
-@triton.jit
-def tile_origin(tile, n_m, n_n, BM: tl.constexpr, BN: tl.constexpr, ROWS_FAST: tl.constexpr):
-    """The first row and column of output tile `tile` on the n_m x n_n grid of BM x BN tiles: row blocks walked
-    fastest where ROWS_FAST (`fce_core.plan.rows_fast`), else column blocks."""
-    if ROWS_FAST:
-        r0 = (tile % n_m) * BM
-        c0 = (tile // n_m) * BN
-    else:
-        r0 = (tile // n_n) * BM
-        c0 = (tile % n_n) * BN
-    return r0, c0
 
 
 @launched
@@ -266,9 +254,14 @@ def _dw_config(hidden, dz=None):
 
 def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None, rows=None):
     """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`, K the
-    first `rows` rows (default all)."""
-    _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], dz.shape[0] if rows is None else rows, mode, first=first,
-         precision=precision, cfg=cfg or _dw_config(x.shape[1], dz))
+    first `rows` rows (default all). The (hi, lo) pair's update on its Gluon kernel where that applies and no
+    launch is given (grad_gemms_gluon.py: the same bits)."""
+    k = dz.shape[0] if rows is None else rows
+    if cfg is None and lo is not None and grad_gemms_gluon.applies(dz, x, c, lo, k):
+        grad_gemms_gluon.dw_pair(dz[:k], x[:k], c, lo, mode, first)
+        return
+    _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], k, mode, first=first, precision=precision,
+         cfg=cfg or _dw_config(x.shape[1], dz))
 
 
 def dw_gemm(dz, x, dtype, precision="ieee", cfg=None, rows=None):

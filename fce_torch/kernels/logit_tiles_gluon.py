@@ -20,8 +20,6 @@ order (global step g = i * n_k + kk of the program's i-th tile, in stage g % STA
 This is tools/gluon_dw.py's ping-pong protocol without its loads of C, which tools/ws_protocol_sim.py checks on
 random interleavings. Each owner stages its e blocks for their TMA stores in shared memory of its own.
 """
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,7 +33,7 @@ from fce_core.plan import cdiv
 from . import fastmath as fm
 from .fastmath import LOG2E
 from .launch import launched
-from .tma import ELEMENT_TYPES, column_halves, processors, tma_ready
+from .tma import ELEMENT_TYPES, column_halves, processors, sm90, tma_ready
 from ..sums import row_sum
 
 @gluon.jit
@@ -234,11 +232,6 @@ def _logit_tiles_pp_kernel(x_desc, w_desc, e_desc, y_ptr, cw_ptr, m_ptr, s_ptr, 
     ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm90(device_index):
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
 def applies(x, w, e, bias, transform):
     """Whether this kernel runs the logits GEMM of x [n, H] against w [V, H] into e (or None): compiled kernels
     (not the interpreter) on an sm_90 GPU, 16-bit operands of one dtype, arrays that TMA can move, raw logits
@@ -247,7 +240,7 @@ def applies(x, w, e, bias, transform):
     the H100, bench/results/nvidia-h100/logits-pingpong/)."""
     return (fm.ASM and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and bias is None
             and transform.softcap is None and not transform.has_temperature
-            and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            and sm90(x.device)
             and tma_ready(x, w, *(() if e is None else (e,))))
 
 

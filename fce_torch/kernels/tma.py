@@ -19,6 +19,19 @@ def column_halves(t):
     return t.reshape([t.shape[0], 2, t.shape[1] // 2]).permute(0, 2, 1).split()
 
 
+@triton.jit
+def tile_origin(tile, n_m, n_n, BM: tl.constexpr, BN: tl.constexpr, ROWS_FAST: tl.constexpr):
+    """The first row and column of output tile `tile` on the n_m x n_n grid of BM x BN tiles: row blocks walked
+    fastest where ROWS_FAST (`fce_core.plan.rows_fast`), else column blocks."""
+    if ROWS_FAST:
+        r0 = (tile % n_m) * BM
+        c0 = (tile // n_m) * BN
+    else:
+        r0 = (tile // n_n) * BM
+        c0 = (tile % n_n) * BN
+    return r0, c0
+
+
 def tma_ready(*arrays):
     """Whether TMA can load or store every array of 2 or more dimensions: unit last stride, 16-byte aligned
     start and other strides."""
@@ -58,6 +71,17 @@ def processors(device):
     if device.type != "cuda":
         return 2
     return _processors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def sm90(device):
+    """Whether `device` is an sm_90 GPU (the Gluon kernels' wgmma and TMA)."""
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                 else torch.cuda.current_device()) == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index):
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def programs(n_tiles, cfg, device):
