@@ -1,7 +1,7 @@
 """dW's (hi, lo) accumulation on fce_torch's Gluon kernel (fce_torch/kernels/grad_gemms_gluon.py, sm_90) against
 the Triton kernel that it stands in for (grad_gemms with an explicit launch): the same bits in hi and lo for the
 first chunk's pair, an accumulation and the last one's hi, on a GPU (`tools/gpu_run.sh gputests`), at shapes with
-partial tiles and K steps, one row, and K cut short of dZ's rows. Where it does not apply (the CPU's interpreter,
+partial row and column tiles and K steps, one row, and K cut short of dZ's rows. Where it does not apply (the CPU's interpreter,
 a float32 accumulator, dZ formed on the load) `dw_first` / `dw_accumulate` run the Triton kernel. Its compile for
 sm_90a (shared memory, spills): tests/test_sm90_registers.py."""
 import pytest
@@ -36,7 +36,7 @@ def _bits(t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, rows, h, v", [(200, None, 640, 1000), (1, None, 128, 520), (300, 200, 896, 4104),
-                                            (768, None, 256, 2 * 256)])
+                                            (768, None, 256, 2 * 256), (130, None, 208, 392)])
 def test_gluon_dw_bits_equal_triton(n, rows, h, v, device):
     if device != "cuda" or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon dW kernel runs on sm_90 GPUs")
