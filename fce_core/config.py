@@ -275,8 +275,9 @@ GRAD_GEMM_MOSAIC_SHORT_K = dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, 
 # fce_torch's dW (hi, lo) update for a bfloat16 weight on sm_90 (grad_gemms_gluon.applies), in place of the Triton
 # kernel: the same bits. Per chunk on the H100, against the Triton kernel: an accumulation 0.602 against 0.660 ms at
 # (768, 640, 262144), 1.789 against 1.944 at (2048, 2048, 128256), 0.714 against 0.796 at (1280, 896, 151936),
-# 2.304 against 2.441 at (1024, 4096, 128256); the first chunk and the last 4-11% faster too; 256x128x64 in 3 stages
-# was 0-11% slower than this launch but for the last chunk at H = 4096. In the engine, alternating with the tree
+# 2.304 against 2.441 at (1024, 4096, 128256); the first chunk 2-10% and the last 4-11% faster too. 256x128x64 in 3
+# stages was 10-13% slower than this launch at H = 640 and up to 9% at H = 2048 and 4096, 1-4% faster on the first
+# chunk and the accumulation at H = 896 and 6% on the last chunk at H = 4096. In the engine, alternating with the tree
 # before: fce_torch fwd+bwd 43.0-44.3 -> 41.8-42.0 ms at 16384x2048, 21.1 -> 19.9 at 8192x640, 14.8-15.0 ->
 # 14.1-14.4 at 8192x896 (bench/results/nvidia-h100/gluon-dw-pair/)
 GRAD_GEMM_GLUON = SplitTileGradConfig()
