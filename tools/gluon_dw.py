@@ -50,7 +50,7 @@ from fce_core.plan import cdiv, rows_fast
 from fce_torch.kernels import fastmath as fm
 from fce_torch.kernels.logit_tiles_gluon import owner_wait
 from ptxas_usage import ptxas_usage
-from fce_torch.kernels.tma import processors, tile_origin
+from fce_torch.kernels.tma import processors, shared_layout, tile_origin
 
 SMEM_LIMIT = 232448  # sm_90a's shared memory per block (227 KiB)
 # the epilogue partition's float32 accumulator in shared memory: 32-byte units swizzled by the row (mod 8), so that
@@ -823,12 +823,6 @@ def _dw_pair_il_kernel(a_desc, b_desc, hi_ptr, lo_ptr, M, N, K, FIRST: gl.conste
     ], [1], [LOADER_REGS])
 
 
-def _layout(block, dtype):
-    """The shared memory layout of a TMA block (NVMMA, the widest swizzle that the block's rows allow), on the
-    host descriptor and in the kernel's buffers alike."""
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
-
-
 def shared_bytes(bm, bn, bk, stages, pingpong=False, ep=False, tx=False):
     """The kernel's explicit shared memory: the operand ring (tx: with its scaled A blocks), hi_s and lo_s
     (ping-pong: one pair per owner; epilogue partition: the float32 acc_s instead; the barriers aside)."""
@@ -867,20 +861,20 @@ def dw_pair(dz, x, hi=None, lo=None, first=False, last=False, bm=128, bn=256, bk
         lo = torch.empty(m, n, device=x.device, dtype=torch.int8)
     grid = (min(cdiv(m, bm) * cdiv(n, bn), processors(x.device)),)
     if il:
-        ab = [TensorDescriptor.from_tensor(t, block, _layout(block, gl.bfloat16)) for t, block in [
+        ab = [TensorDescriptor.from_tensor(t, block, shared_layout(block, gl.bfloat16)) for t, block in [
             (dz, [bk, bm]), (x, [bk, bn])]]
         _dw_pair_il_kernel[grid](*ab, hi, lo, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
                                  ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_ROWS=epi_rows or 2048 // bn,
                                  LOADER_REGS=loader_regs, num_warps=8)
         return hi if last else (hi, lo)
     if ep:
-        ab = [TensorDescriptor.from_tensor(t, block, _layout(block, gl.bfloat16)) for t, block in [
+        ab = [TensorDescriptor.from_tensor(t, block, shared_layout(block, gl.bfloat16)) for t, block in [
             (dz, [bk, bm]), (x, [bk, bn])]]
         _dw_pair_ep_kernel[grid](*ab, hi, lo, m, n, k, FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages,
                                  ROWS_FAST=rows_fast(m, n, bm, bn), ASM=fm.ASM, EPI_ROWS=epi_rows or 2048 // bn,
                                  EPI_WARPS=epi_warps, EPI_REGS=epi_regs, LOADER_REGS=loader_regs, num_warps=8)
         return hi if last else (hi, lo)
-    descs = [TensorDescriptor.from_tensor(t, block, _layout(block, dt)) for t, block, dt in [
+    descs = [TensorDescriptor.from_tensor(t, block, shared_layout(block, dt)) for t, block, dt in [
         (dz, [bk, bm], gl.bfloat16), (x, [bk, bn], gl.bfloat16), (hi, [bm, bn], gl.bfloat16),
         (lo, [bm, bn], gl.int8)]]
     if pingpong:
@@ -915,10 +909,10 @@ def _compile(bm, bn, bk, stages, first, last, epi_split=8, lookahead=True, prefe
     """The kernel compiled for sm_90a (no GPU needed), as `dw_pair` launches it for dW (ROWS_FAST False)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    sig = dict(a_desc=f"tensordesc<bf16[{bk}, {bm}],{_layout([bk, bm], gl.bfloat16)!r}>",
-               b_desc=f"tensordesc<bf16[{bk}, {bn}],{_layout([bk, bn], gl.bfloat16)!r}>",
-               hi_desc=f"tensordesc<bf16[{bm}, {bn}],{_layout([bm, bn], gl.bfloat16)!r}>",
-               lo_desc=f"tensordesc<i8[{bm}, {bn}],{_layout([bm, bn], gl.int8)!r}>",
+    sig = dict(a_desc=f"tensordesc<bf16[{bk}, {bm}],{shared_layout([bk, bm], gl.bfloat16)!r}>",
+               b_desc=f"tensordesc<bf16[{bk}, {bn}],{shared_layout([bk, bn], gl.bfloat16)!r}>",
+               hi_desc=f"tensordesc<bf16[{bm}, {bn}],{shared_layout([bm, bn], gl.bfloat16)!r}>",
+               lo_desc=f"tensordesc<i8[{bm}, {bn}],{shared_layout([bm, bn], gl.int8)!r}>",
                M="i32", N="i32", K="i32")
     consts = dict(FIRST=first, LAST=last, BM=bm, BN=bn, BK=bk, STAGES=stages, ROWS_FAST=False, ASM=True,
                   EPI_SPLIT=epi_split)

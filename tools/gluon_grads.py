@@ -26,6 +26,7 @@ from fce_core.config import GRAD_GEMM_GLUON
 from fce_core.plan import PAIR, PAIR_LAST
 from fce_torch.kernels import grad_gemms as tg
 from fce_torch.kernels import grad_gemms_gluon as gg
+from fce_torch.kernels.tma import shared_layout
 from ptxas_usage import ptxas_usage
 
 VARIANTS = [dataclasses.replace(GRAD_GEMM_GLUON, **kw) for kw in (
@@ -46,7 +47,7 @@ def _compile(cfg, first, last):
     hm = cfg.tile_m // gg.COMPUTE_WGS
 
     def desc(block, dt, name):
-        return f"tensordesc<{name}[{block[0]}, {block[1]}],{gg._layout(block, dt)!r}>"
+        return f"tensordesc<{name}[{block[0]}, {block[1]}],{shared_layout(block, dt)!r}>"
 
     sig = dict(a_desc=desc([cfg.tile_k, hm], gl.bfloat16, "bf16"),
                b_desc=desc([cfg.tile_k, cfg.tile_n], gl.bfloat16, "bf16"),

@@ -30,7 +30,7 @@ from fce_core.options import Transform
 from fce_core.plan import cdiv
 from fce_torch.kernels import logit_tiles_gluon as lg
 from fce_torch.kernels.logit_tiles import logit_tiles, partials
-from fce_torch.kernels.tma import processors
+from fce_torch.kernels.tma import processors, shared_layout
 from ptxas_usage import ptxas_usage
 
 VARIANTS = [dataclasses.replace(LOGITS_PINGPONG, **kw) for kw in (
@@ -48,7 +48,7 @@ def _name(cfg):
 
 def _compile(cfg, spec, cw, store):
     """The kernel compiled for sm_90a (no GPU needed), as `logit_tiles_pp` launches it for bfloat16."""
-    desc = lambda b: f"tensordesc<bf16[{b[0]}, {b[1]}],{lg._layout(b, gl.bfloat16)!r}>"  # noqa: E731
+    desc = lambda b: f"tensordesc<bf16[{b[0]}, {b[1]}],{shared_layout(b, gl.bfloat16)!r}>"  # noqa: E731
     bn = GEMM.tile_n
     parts = cfg.parts_q_pz if spec.q or spec.pz else cfg.parts
     sig = dict(x_desc=desc([cfg.tile_m, cfg.tile_k]), w_desc=desc([bn, cfg.tile_k]),

@@ -34,7 +34,7 @@ from fce_core.plan import PAIR, PAIR_LAST, cdiv, rows_fast
 
 from . import fastmath as fm
 from .launch import launched
-from .tma import column_halves, processors, sm90, tile_origin, tma_ready
+from .tma import column_halves, processors, shared_layout, sm90, tile_origin, tma_ready
 
 COMPUTE_WGS = 2
 
@@ -125,8 +125,7 @@ def _compute(a_ring, b_ring, ready, empty, hi_s, lo_s, c_ready, hi_desc, lo_desc
         if not FIRST:
             tma.store_wait(0)  # the last tile's stores have left the slots
             _load_c(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0, 0, W, EPI)
-            if BLOCKS > 1:
-                _load_c(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0, 1, W, EPI)
+            _load_c(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0, 1, W, EPI)
         acc = gl.zeros([HM, BN], gl.float32, acc_layout)
         for kk in range(n_k):
             slot = step % STAGES
@@ -198,11 +197,6 @@ def applies(dz, x, hi, lo, k):
             and tma_ready(dz, x, hi, lo))
 
 
-def _layout(block, dtype):
-    """The NVMMA shared layout of a TMA block (the widest swizzle that its rows allow)."""
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
-
-
 def dw_pair(dz, x, hi, lo, mode, first, cfg=GRAD_GEMM_GLUON):
     """(hi, lo) (+)= dZᵀ x in place (PAIR; PAIR_LAST: hi alone written), dZ [K, V] and x [K, H] cut to the
     chunk's rows, hi [V, H] bfloat16 and lo [V, H] int8, where `applies`. `first`: the pair is new (C not read)."""
@@ -212,7 +206,7 @@ def dw_pair(dz, x, hi, lo, mode, first, cfg=GRAD_GEMM_GLUON):
     hm, bn, bk = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k
     blocks = [(dz, [bk, hm], gl.bfloat16), (x, [bk, bn], gl.bfloat16), (hi, [hm, cfg.epilogue_cols], gl.bfloat16),
               (lo, [hm, cfg.epilogue_cols], gl.int8)]
-    descs = [TensorDescriptor.from_tensor(t, block, _layout(block, dt)) for t, block, dt in blocks]
+    descs = [TensorDescriptor.from_tensor(t, block, shared_layout(block, dt)) for t, block, dt in blocks]
     grid = (min(cdiv(m, cfg.tile_m) * cdiv(n, bn), processors(x.device)),)
     _dw_pair_kernel[grid](*descs, m, n, k, FIRST=first, LAST=mode == PAIR_LAST, HM=hm, BN=bn, BK=bk,
                           STAGES=cfg.num_stages, EPI=cfg.epilogue_cols, ROWS_FAST=rows_fast(m, n, cfg.tile_m, bn),

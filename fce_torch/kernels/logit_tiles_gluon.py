@@ -33,7 +33,7 @@ from fce_core.plan import cdiv
 from . import fastmath as fm
 from .fastmath import LOG2E
 from .launch import launched
-from .tma import ELEMENT_TYPES, column_halves, processors, sm90, tma_ready
+from .tma import ELEMENT_TYPES, column_halves, processors, shared_layout, sm90, tma_ready
 from ..sums import row_sum
 
 @gluon.jit
@@ -244,11 +244,6 @@ def applies(x, w, e, bias, transform):
             and tma_ready(x, w, *(() if e is None else (e,))))
 
 
-def _layout(block, dtype):
-    """The NVMMA shared layout of a TMA block (the widest swizzle that its rows allow)."""
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
-
-
 def logit_tiles_pp(x, w, y, class_weights, e, parts, *, spec, tile_n, cfg=LOGITS_PINGPONG):
     """`logit_tiles`' launch on this kernel (where `applies`): fills e (unless None) and the [n, T] partials
     `parts` of its caller."""
@@ -258,7 +253,7 @@ def logit_tiles_pp(x, w, y, class_weights, e, parts, *, spec, tile_n, cfg=LOGITS
     col_blocks = cfg.parts_q_pz if spec.q or spec.pz else cfg.parts
     e_block = [cfg.tile_m, tile_n // col_blocks]
     blocks = [(x, [cfg.tile_m, cfg.tile_k]), (w, [tile_n, cfg.tile_k]), (e if e is not None else x, e_block)]
-    descs = [TensorDescriptor.from_tensor(t, block, _layout(block, gdt)) for t, block in blocks]
+    descs = [TensorDescriptor.from_tensor(t, block, shared_layout(block, gdt)) for t, block in blocks]
     m = parts["m"]
     grid = (min(cdiv(n, cfg.tile_m) * cdiv(V, tile_n), processors(x.device)),)
     _logit_tiles_pp_kernel[grid](

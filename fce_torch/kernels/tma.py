@@ -6,6 +6,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.experimental.gluon import language as gl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # The element types of arrays that a kernel stores into, passed as constexprs: its arguments may be descriptors.
@@ -30,6 +31,11 @@ def tile_origin(tile, n_m, n_n, BM: tl.constexpr, BN: tl.constexpr, ROWS_FAST: t
         r0 = (tile // n_n) * BM
         c0 = (tile % n_n) * BN
     return r0, c0
+
+
+def shared_layout(block, dtype):
+    """The NVMMA shared layout of a Gluon kernel's TMA block (the widest swizzle that its rows allow)."""
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
 def tma_ready(*arrays):
