@@ -281,6 +281,10 @@ GRAD_GEMM_MOSAIC_SHORT_K = dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, 
 # before: fce_torch fwd+bwd 43.0-44.3 -> 41.8-42.0 ms at 16384x2048, 21.1 -> 19.9 at 8192x640, 14.8-15.0 ->
 # 14.1-14.4 at 8192x896 (bench/results/nvidia-h100/gluon-dw-pair/)
 GRAD_GEMM_GLUON = SplitTileGradConfig()
+# The gradient GEMMs of fce_torch that take GRAD_GEMM_GLUON where it applies and no launch is given, of "pair" (dW's
+# (hi, lo) update), "dw" (dW written once) and "dx" (dX, into its rows or its slices' float32 planes): the others
+# keep the Triton kernel (the same bits either way)
+GLUON_GRADS = ("pair",)
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)
 # Other launch tiles than the JAX twin's in the CPU tests too: the twins' bits must not depend on them.

@@ -242,17 +242,18 @@ def test_logits_pingpong_compiles_without_spills(options):
 
 
 def _gluon_grads(mode):
-    """(shared bytes, registers, spilled bytes) of dW's (hi, lo) accumulation on its Gluon kernel, GRAD_GEMM_GLUON's
-    launch, for the first chunk, an accumulation or the last one (tools/gluon_grads.py)."""
+    """(shared bytes, registers, spilled bytes) of a gradient GEMM on its Gluon kernel, GRAD_GEMM_GLUON's launch,
+    for the mode named in tools/gluon_grads.py's MODES."""
     import gluon_grads
     from fce_core.config import GRAD_GEMM_GLUON
-    shared, regs, spill_stores, spill_loads = gluon_grads.usage(GRAD_GEMM_GLUON, mode == "first", mode == "last")
+    shared, regs, spill_stores, spill_loads = gluon_grads.usage(GRAD_GEMM_GLUON, mode)
     return shared, regs, spill_stores + spill_loads
 
 
-@pytest.mark.parametrize("mode", ["first", "acc", "last"])
-def test_gluon_dw_compiles_without_spills(mode):
-    """fce_torch's Gluon kernel of the (hi, lo) accumulation compiles within the block's shared memory and without
-    spilling under the 168 registers a thread that ptxas holds each partition to."""
+@pytest.mark.parametrize("mode", ["dx", "dx planes", "dw", "first", "acc", "last"])
+def test_gluon_grads_compile_without_spills(mode):
+    """fce_torch's Gluon kernel of the gradient GEMMs (dX into its rows or float32 planes, dW written, the (hi, lo)
+    accumulation's first chunk, an accumulation and the last one) compiles within the block's shared memory and
+    without spilling under the 168 registers a thread that ptxas holds each partition to."""
     shared, regs, spilled = _in_compiler("gluon_grads", mode)
     assert shared <= 232448 and regs <= 168 and spilled == 0

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fce_core.config import GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH, GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH_TALL
+from fce_core.config import (GLUON_GRADS, GRAD_GEMM_GLUON, GRAD_GEMM_INTERPRETER_TORCH, GRAD_GEMM_TORCH,
+                             GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH_TALL, GradGemmConfig, SplitTileGradConfig)
 from fce_core.heads import TileValues
 from fce_core.plan import ADD, PAIR, PAIR_LAST, WRITE, cdiv, dx_slices, gemm_items, rows_fast, waves
 
@@ -190,6 +191,11 @@ def flattened(cfg, mode):
     return cfg.persistent and cfg.flatten and mode != ADD
 
 
+def _slice_k(k, slices, cfg):
+    """The K of each of `slices` slices (the last one's up to K): whole K steps of cfg, the Triton launch."""
+    return cdiv(cdiv(k, slices), cfg.tile_k) * cfg.tile_k
+
+
 def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=1, cfg=None):
     """C (or its `slices` [m, n] planes, one per slice of K: C [slices, m, n]) = A @ B with the epilogue
     `mode`: A [m, k] is `a`'s first m rows, or `a`ᵀ when `a_t` (`a`'s first k rows); B [k, n] is `b`'s first k
@@ -209,7 +215,7 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
     else:
         values, tile_n = (b,) * 6 + (0, 0, 0), 1
     a, b = a[:k] if a_t else a[:m], b[:k]
-    slice_k = cdiv(cdiv(k, slices), cfg.tile_k) * cfg.tile_k
+    slice_k = _slice_k(k, slices, cfg)
     a_block = (cfg.tile_k, cfg.tile_m) if a_t else (cfg.tile_m, cfg.tile_k)
     (aa, bb), tma = descriptors([(a, a_block), (b, (cfg.tile_k, cfg.tile_n))], cfg)
     outs = [c] if lo is None else [c, lo]
@@ -226,18 +232,35 @@ def _run(a, a_t, b, c, lo, m, n, k, mode, first=False, precision="ieee", slices=
         num_stages=stages(cfg, a.element_size()))
 
 
+def _gluon(cfg, gemm, applies):
+    """The Gluon kernel's launch (grad_gemms_gluon.py) for `gemm` (a name of GLUON_GRADS): cfg where it is one,
+    GRAD_GEMM_GLUON where no launch is given, GLUON_GRADS names it and `applies()`; else None, the Triton kernel."""
+    if isinstance(cfg, SplitTileGradConfig):
+        return cfg
+    return GRAD_GEMM_GLUON if cfg is None and gemm in GLUON_GRADS and applies() else None
+
+
 def dx_gemm(dz, w, out, precision="ieee", cfg=None, rows=None):
     """out [n, H] (contiguous) = dZ [n, V] @ w [V, H], rounded once to out's dtype; over
     `fce_core.plan.dx_slices` slices of V, their float32 planes summed by `pairwise_sum` straight into out,
     when that is more than one. `rows`: only dZ's first `rows` rows count (the others did not run and are
     not read), so the product runs over those and out's other rows are 0; the slices are still those of all n
-    rows, so a row's bits are the same."""
+    rows, so a row's bits are the same. On the Gluon kernel where `cfg` is its launch, or where none is given,
+    GLUON_GRADS names dX and the kernel applies (grad_gemms_gluon.py: the same slices, the same bits)."""
     (n, vocab), hidden = dz.shape, w.shape[1]
-    slices = dx_slices(n, hidden, vocab, cfg or _config())
+    triton_cfg = cfg if isinstance(cfg, GradGemmConfig) else _config()
+    slices = dx_slices(n, hidden, vocab, triton_cfg)
     m = n if rows is None else rows
-    cfg = cfg or _dx_config(m, hidden, slices, dz.device, dz)
-    planes = out[:m] if slices == 1 else torch.empty(slices, m, hidden, device=dz.device, dtype=F32)
-    _run(dz, False, w, planes, None, m, hidden, vocab, WRITE, precision=precision, slices=slices, cfg=cfg)
+    gluon = _gluon(cfg, "dx", lambda: m > 0 and grad_gemms_gluon.applies(dz[:m], w, out, vocab, WRITE))
+    if gluon is not None:
+        planes = out[:m] if slices == 1 else torch.empty(slices, grad_gemms_gluon.plane_rows(m, gluon), hidden,
+                                                         device=dz.device, dtype=F32)
+        grad_gemms_gluon.dx_planes(dz[:m], w, planes, slices, _slice_k(vocab, slices, triton_cfg), gluon)
+        planes = planes[:, :m]
+    else:
+        planes = out[:m] if slices == 1 else torch.empty(slices, m, hidden, device=dz.device, dtype=F32)
+        _run(dz, False, w, planes, None, m, hidden, vocab, WRITE, precision=precision, slices=slices,
+             cfg=cfg or _dx_config(m, hidden, slices, dz.device, dz))
     if slices > 1:
         pairwise_sum(planes.permute(1, 2, 0), out=out[:m])
     if m < n:
@@ -254,11 +277,13 @@ def _dw_config(hidden, dz=None):
 
 def _dz_t_x(dz, x, c, lo, mode, first=False, precision="ieee", cfg=None, rows=None):
     """C = dZᵀ @ x (dZ [n, V] read transposed through its strides, x [n, H]) with the epilogue `mode`, K the
-    first `rows` rows (default all). The (hi, lo) pair's update on its Gluon kernel where that applies and no
-    launch is given (grad_gemms_gluon.py: the same bits)."""
+    first `rows` rows (default all). On the Gluon kernel where `cfg` is its launch, or where none is given,
+    GLUON_GRADS names this GEMM and the kernel applies (grad_gemms_gluon.py: the same bits)."""
     k = dz.shape[0] if rows is None else rows
-    if cfg is None and lo is not None and grad_gemms_gluon.applies(dz, x, c, lo, k):
-        grad_gemms_gluon.dw_pair(dz[:k], x[:k], c, lo, mode, first)
+    gluon = _gluon(cfg, "dw" if lo is None else "pair",
+                   lambda: grad_gemms_gluon.applies(dz[:k], x[:k], c, k, mode, lo))
+    if gluon is not None:
+        grad_gemms_gluon.dw(dz[:k], x[:k], c, lo, mode, first, gluon)
         return
     _run(dz, True, x, c, lo, dz.shape[1], x.shape[1], k, mode, first=first, precision=precision,
          cfg=cfg or _dw_config(x.shape[1], dz))
