@@ -153,8 +153,8 @@ class GradGemmConfig:
 
 @dataclass(frozen=True)
 class SplitTileGradConfig:
-    """fce_torch's dW (hi, lo) accumulation on sm_90 for bfloat16 operands (fce_torch/kernels/grad_gemms_gluon.py,
-    Gluon; the schedule of the JAX twin's GRAD_GEMM_MOSAIC kernel): [tile_m, tile_n] output tiles whose rows two
+    """fce_torch's gradient GEMMs on sm_90 for bfloat16 operands (fce_torch/kernels/grad_gemms_gluon.py, Gluon; the
+    schedule of the JAX twin's GRAD_GEMM_MOSAIC kernel; GLUON_GRADS): [tile_m, tile_n] output tiles whose rows two
     compute warpgroups split, K in steps of tile_k through a ring of num_stages that a loader warp fills, each
     warpgroup's epilogue in column blocks of epilogue_cols through two shared-memory slots; register counts of the
     partitions (setmaxnreg). Speed only: the products and the epilogue are GradGemmConfig's, whatever the tiles."""

@@ -7,7 +7,7 @@
 #   source .whl/install.sh && bash tools/gpu_run.sh gputests peers parity op logprobs cpo sft profile
 # Jobs:
 #   gputests  pytest on the GPU: torch.compile (inductor), the float32 policy, the default engine's choice,
-#             the logits GEMM's ping-pong kernel and dW's Gluon kernel against the Triton kernels
+#             the logits GEMM's ping-pong kernel and the gradient GEMMs' Gluon kernel against the Triton kernels
 #   peers     the peers' own test files against the drop-ins (needs .peers/sdist and .peers/cce-main carried)
 #   parity    python -m parity          op, logprobs, cpo, sft, profile: python -m bench <job>
 #   kernels   python tools/fused_kernels.py, the fused GEMMs one by one (KERNELS_ARGS="--grads 4096,4096,128256")
