@@ -1,5 +1,6 @@
 """Command line: ``python -m bench {op,sft,cpo,logprobs} [--smoke] [--shape N,H,V|anchors]... [--impl NAME]...
-[--out DIR] [--reps K] [--warmup K] [--logits-gemm FIELD=VALUE]... [--grad-gemms FIELD=VALUE]...``; ``sft``
+[--out DIR] [--reps K] [--warmup K] [--logits-gemm FIELD=VALUE]... [--grad-gemms FIELD=VALUE]...
+[--gluon-grads NAMES]``; ``sft``
 also takes ``--profile`` (where the step time goes), ``cpo`` ``--pairs B[,B...]``.
 
 Progress goes to stderr (one line per cell), the final table to stdout, and JSON + Markdown + PNG files to
@@ -18,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from fce_core.config import GemmConfig, GradGemmConfig  # plain dataclasses: nothing imports triton or jax here
+from fce_core.config import GLUON_GEMMS, GLUON_GRADS, GemmConfig, GradGemmConfig  # nothing imports triton or jax here
 
 
 def _shape(text: str) -> tuple[int, int, int] | str:
@@ -66,11 +67,21 @@ def _launch_field(config):
     return parse
 
 
-def with_launches(logits: dict, grads: dict) -> None:
+def _gluon_grads(text: str) -> tuple[str, ...]:
+    """The argparse type of --gluon-grads: names of `fce_core.config.GLUON_GRADS`, comma-separated, or none."""
+    names = () if text == "none" else tuple(text.split(","))
+    if not set(names) <= set(GLUON_GEMMS) or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"expected 'none' or distinct names of {GLUON_GEMMS}, comma-separated, "
+                                         f"got {text!r}")
+    return names
+
+
+def with_launches(logits: dict, grads: dict, gluon: tuple[str, ...] | None = None) -> None:
     """The fused engine's GEMM launches of both twins with these launch fields changed, for this process (a
     bench run that times a launch variant in the engine): `logits` in the logits GEMM's GemmConfig, `grads` in
-    the dX/dW GEMMs' (fce_torch's Triton configs, the JAX twin's Mosaic GPU one; fce_torch's Gluon dW accumulation
-    keeps GRAD_GEMM_GLUON). Launch fields only: every twin keeps its bits."""
+    the dX/dW GEMMs' (fce_torch's Triton configs, the JAX twin's Mosaic GPU one; fce_torch's Gluon kernel keeps
+    GRAD_GEMM_GLUON); `gluon`: fce_torch's gradient GEMMs that take that kernel where it applies, in place of
+    GLUON_GRADS. Launches only: every twin keeps its bits."""
     from fce_jax.kernels import grad_gemms as jax_grads
     from fce_jax.kernels import logit_tiles as jax_logits
     from fce_torch.kernels import grad_gemms as torch_grads
@@ -83,6 +94,8 @@ def with_launches(logits: dict, grads: dict) -> None:
         for module, names in targets if changes else ():
             for name in names:
                 setattr(module, name, dataclasses.replace(getattr(module, name), **changes))
+    if gluon is not None:
+        torch_grads.GLUON_GRADS = gluon
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--grad-gemms", action="append", type=_launch_field(GradGemmConfig), default=[],
                         metavar="FIELD=VALUE",
                         help="the same for the dX/dW GEMMs' GradGemmConfig, e.g. pingpong=true")
+    common.add_argument("--gluon-grads", type=_gluon_grads, metavar="NAMES",
+                        help=f"fce_torch's gradient GEMMs that take the Gluon kernel on sm_90: 'none' or names of "
+                             f"{GLUON_GEMMS}, comma-separated (default {','.join(GLUON_GRADS)}; recorded in the JSON)")
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="bench", required=True)
     op = sub.add_parser("op", parents=[common], help="the loss alone, forward+backward and loss-only")
@@ -167,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     progress = common.Progress()
     progress.log(f"bench {args.bench} on {name} -> {settings.out}")
     launches = {"logits_gemm": dict(args.logits_gemm), "grad_gemms": dict(args.grad_gemms)}
+    if args.gluon_grads is not None:
+        launches["gluon_grads"] = list(args.gluon_grads) or ["none"]
     if any(launches.values()):
-        with_launches(launches["logits_gemm"], launches["grad_gemms"])
+        with_launches(launches["logits_gemm"], launches["grad_gemms"], args.gluon_grads)
         progress.log(f"the fused engine's GEMM launches changed: {launches}")
 
     if args.bench == "op":

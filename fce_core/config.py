@@ -281,9 +281,12 @@ GRAD_GEMM_MOSAIC_SHORT_K = dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True, 
 # before: fce_torch fwd+bwd 43.0-44.3 -> 41.8-42.0 ms at 16384x2048, 21.1 -> 19.9 at 8192x640, 14.8-15.0 ->
 # 14.1-14.4 at 8192x896 (bench/results/nvidia-h100/gluon-dw-pair/)
 GRAD_GEMM_GLUON = SplitTileGradConfig()
-# The gradient GEMMs of fce_torch that take GRAD_GEMM_GLUON where it applies and no launch is given, of "pair" (dW's
-# (hi, lo) update), "dw" (dW written once) and "dx" (dX, into its rows or its slices' float32 planes): the others
-# keep the Triton kernel (the same bits either way)
+# fce_torch's gradient GEMMs that the Gluon kernel computes: dW's (hi, lo) update, dW written once, dX (into its rows
+# or its slices' float32 planes)
+GLUON_GEMMS = ("pair", "dw", "dx")
+# Those of GLUON_GEMMS that take GRAD_GEMM_GLUON where it applies and no launch is given; the others keep the Triton
+# kernel (the same bits either way). dX and dW written once have not run on a GPU on it yet (bench's --gluon-grads
+# times them in the engine)
 GLUON_GRADS = ("pair",)
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)

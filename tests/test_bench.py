@@ -303,6 +303,23 @@ def test_launch_options(monkeypatch):
     assert all(getattr(m, n).mosaic for m in (torch_logits, jax_logits) for n in names[m])
 
 
+def test_gluon_grads_option(monkeypatch):
+    """``--gluon-grads dx,pair`` names which of fce_torch's gradient GEMMs take the Gluon kernel ('none': none);
+    unknown or repeated names are refused; `with_launches` sets them for the process."""
+    import fce_torch.kernels.grad_gemms as torch_grads
+    from bench.__main__ import _parser, with_launches
+
+    assert _parser().parse_args(["op", "--gluon-grads", "dx,pair"]).gluon_grads == ("dx", "pair")
+    assert _parser().parse_args(["op", "--gluon-grads", "none"]).gluon_grads == ()
+    assert _parser().parse_args(["op"]).gluon_grads is None
+    for bad in ("dX", "pair,pair", "", "dw,"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["op", "--gluon-grads", bad])
+    monkeypatch.setattr(torch_grads, "GLUON_GRADS", torch_grads.GLUON_GRADS)  # restored after the test
+    with_launches({}, {}, ("dw", "dx"))
+    assert torch_grads.GLUON_GRADS == ("dw", "dx")
+
+
 def test_design_floor_counts_the_layouts_bytes():
     """tools/design_floor.py: no pair traffic where one GEMM writes dW (one chunk, or dZ kept); with c chunks the
     pair is written once, read and rewritten c - 2 times, read once more as hi is written: 6 (c - 1) bytes per
