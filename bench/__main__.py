@@ -68,7 +68,7 @@ def _launch_field(config):
 
 
 def _gluon_grads(text: str) -> tuple[str, ...]:
-    """The argparse type of --gluon-grads: names of `fce_core.config.GLUON_GRADS`, comma-separated, or none."""
+    """The argparse type of --gluon-grads: names of `fce_core.config.GLUON_GEMMS`, comma-separated, or none."""
     names = () if text == "none" else tuple(text.split(","))
     if not set(names) <= set(GLUON_GEMMS) or len(set(names)) < len(names):
         raise argparse.ArgumentTypeError(f"expected 'none' or distinct names of {GLUON_GEMMS}, comma-separated, "

@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from fce_core.config import GRAD_GEMM_GLUON
-from fce_core.plan import PAIR, PAIR_LAST, WRITE, dx_slices
+from fce_core.plan import PAIR, PAIR_LAST, WRITE, dx_slices, reads_c
 from fce_torch.kernels import grad_gemms as tg
 from fce_torch.kernels import grad_gemms_gluon as gg
 from fce_torch.kernels.tma import shared_layout
@@ -61,9 +61,9 @@ def _compile(cfg, a_t, mode, first, c_dt):
                b_desc=desc([cfg.tile_k, cfg.tile_n], gl.bfloat16), hi_desc=c,
                lo_desc=c if mode == WRITE else desc([hm, cfg.epilogue_cols], gl.int8),
                M="i32", N="i32", K="i32", SLICE_K="i32", slices="i32", M_PLANE="i32")
-    consts = dict(A_T=a_t, MODE=mode, FIRST=first, HM=hm, BN=cfg.tile_n, BK=cfg.tile_k, STAGES=cfg.num_stages,
-                  EPI=cfg.epilogue_cols, ROWS_FAST=False, ASM=True, COMPUTE_REGS=cfg.compute_regs,
-                  LOADER_REGS=cfg.loader_regs)
+    consts = dict(A_T=a_t, MODE=mode, READS_C=reads_c(mode, first), HM=hm, BN=cfg.tile_n, BK=cfg.tile_k,
+                  STAGES=cfg.num_stages, EPI=cfg.epilogue_cols, ROWS_FAST=False, ASM=True,
+                  COMPUTE_REGS=cfg.compute_regs, LOADER_REGS=cfg.loader_regs)
     for name in consts:
         sig[name] = "constexpr"
     return triton.compile(GluonASTSource(gg._grad_kernel.fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),

@@ -252,17 +252,15 @@ def dx_gemm(dz, w, out, precision="ieee", cfg=None, rows=None):
     slices = dx_slices(n, hidden, vocab, triton_cfg)
     m = n if rows is None else rows
     gluon = _gluon(cfg, "dx", lambda: m > 0 and grad_gemms_gluon.applies(dz[:m], w, out, vocab, WRITE))
+    plane_rows = m if gluon is None else grad_gemms_gluon.plane_rows(m, gluon)
+    planes = out[:m] if slices == 1 else torch.empty(slices, plane_rows, hidden, device=dz.device, dtype=F32)
     if gluon is not None:
-        planes = out[:m] if slices == 1 else torch.empty(slices, grad_gemms_gluon.plane_rows(m, gluon), hidden,
-                                                         device=dz.device, dtype=F32)
         grad_gemms_gluon.dx_planes(dz[:m], w, planes, slices, _slice_k(vocab, slices, triton_cfg), gluon)
-        planes = planes[:, :m]
     else:
-        planes = out[:m] if slices == 1 else torch.empty(slices, m, hidden, device=dz.device, dtype=F32)
         _run(dz, False, w, planes, None, m, hidden, vocab, WRITE, precision=precision, slices=slices,
              cfg=cfg or _dx_config(m, hidden, slices, dz.device, dz))
     if slices > 1:
-        pairwise_sum(planes.permute(1, 2, 0), out=out[:m])
+        pairwise_sum(planes[:, :m].permute(1, 2, 0), out=out[:m])
     if m < n:
         out[m:].zero_()
     return out

@@ -34,16 +34,15 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fce_core.config import GRAD_GEMM_GLUON
-from fce_core import plan
-from fce_core.plan import PAIR, PAIR_LAST, WRITE, cdiv, rows_fast
+from fce_core.plan import PAIR, PAIR_LAST, WRITE, cdiv, reads_c, rows_fast
 
 from . import fastmath as fm
 from .launch import launched
 from .tma import column_halves, processors, shared_layout, sm90, tile_origin, tma_ready
 
 COMPUTE_WGS = 2
-_WRITE = gl.constexpr(plan.WRITE)
-_PAIR = gl.constexpr(plan.PAIR)
+_WRITE = gl.constexpr(WRITE)
+_PAIR = gl.constexpr(PAIR)
 # the element types of C that each mode writes (WRITE: dX's rows or float32 planes; the pair's hi)
 C_DTYPES = {WRITE: {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}, PAIR: {torch.bfloat16: gl.bfloat16},
             PAIR_LAST: {torch.bfloat16: gl.bfloat16}}
@@ -94,12 +93,11 @@ def _load_c(hi_desc, lo_desc, hi_s, lo_s, c_ready, r0, c0, b: gl.constexpr, W: g
 
 @gluon.jit
 def _block(part, hi_s, lo_s, c_ready, hi_desc, lo_desc, r0, c0, parity, b: gl.constexpr, W: gl.constexpr,
-           BLOCKS: gl.constexpr, MODE: gl.constexpr, FIRST: gl.constexpr, ASM: gl.constexpr):
+           BLOCKS: gl.constexpr, MODE: gl.constexpr, READS_C: gl.constexpr, ASM: gl.constexpr):
     """Column block b of warpgroup W's rows from its product `part` [HM, EPI] in its slot: C written (WRITE) or
     the (hi, lo) update, the block's TMA stores, and then (C read) the load of block b + 2 into the slot once
     those stores have read it."""
     EPI: gl.constexpr = part.shape[1]
-    READS_C: gl.constexpr = MODE != _WRITE and not FIRST
     STORES: gl.constexpr = 2 if MODE == _PAIR else 1  # TMA stores a block
     at = W * 2 + b % 2
     hs = hi_s.index(at)
@@ -128,25 +126,24 @@ def _block(part, hi_s, lo_s, c_ready, hi_desc, lo_desc, r0, c0, parity, b: gl.co
 
 @gluon.jit
 def _blocks(t, hi_s, lo_s, c_ready, hi_desc, lo_desc, r0, c0, parity, b: gl.constexpr, W: gl.constexpr,
-            BLOCKS: gl.constexpr, PARTS: gl.constexpr, MODE: gl.constexpr, FIRST: gl.constexpr, ASM: gl.constexpr):
+            BLOCKS: gl.constexpr, PARTS: gl.constexpr, MODE: gl.constexpr, READS_C: gl.constexpr, ASM: gl.constexpr):
     """`_block` over t's PARTS column blocks (blocks b .. b + PARTS of the warpgroup's tile), left to right."""
     if PARTS == 1:
-        _block(t, hi_s, lo_s, c_ready, hi_desc, lo_desc, r0, c0, parity, b, W, BLOCKS, MODE, FIRST, ASM)
+        _block(t, hi_s, lo_s, c_ready, hi_desc, lo_desc, r0, c0, parity, b, W, BLOCKS, MODE, READS_C, ASM)
     else:
         left, right = column_halves(t)
-        _blocks(left, hi_s, lo_s, c_ready, hi_desc, lo_desc, r0, c0, parity, b, W, BLOCKS, PARTS // 2, MODE, FIRST,
-                ASM)
+        _blocks(left, hi_s, lo_s, c_ready, hi_desc, lo_desc, r0, c0, parity, b, W, BLOCKS, PARTS // 2, MODE,
+                READS_C, ASM)
         _blocks(right, hi_s, lo_s, c_ready, hi_desc, lo_desc, r0, c0, parity, b + PARTS // 2, W, BLOCKS, PARTS // 2,
-                MODE, FIRST, ASM)
+                MODE, READS_C, ASM)
 
 
 @gluon.jit
 def _compute(a_ring, b_ring, ready, empty, hi_s, lo_s, c_ready, hi_desc, lo_desc, pid, programs, n_m, n_n, n_tiles,
              n_items, K, SLICE_K, M_PLANE, W: gl.constexpr, HM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
              STAGES: gl.constexpr, EPI: gl.constexpr, ROWS_FAST: gl.constexpr, A_T: gl.constexpr,
-             MODE: gl.constexpr, FIRST: gl.constexpr, ASM: gl.constexpr):
+             MODE: gl.constexpr, READS_C: gl.constexpr, ASM: gl.constexpr):
     BLOCKS: gl.constexpr = BN // EPI
-    READS_C: gl.constexpr = MODE != _WRITE and not FIRST
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BN, 16])
     step = 0
@@ -174,7 +171,7 @@ def _compute(a_ring, b_ring, ready, empty, hi_s, lo_s, c_ready, hi_desc, lo_desc
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
         _blocks(acc, hi_s, lo_s, c_ready, hi_desc, lo_desc, r0, c0, j * (BLOCKS // 2), 0, W, BLOCKS, BLOCKS, MODE,
-                FIRST, ASM)
+                READS_C, ASM)
         j += 1
     tma.store_wait(0)
 
@@ -182,7 +179,7 @@ def _compute(a_ring, b_ring, ready, empty, hi_s, lo_s, c_ready, hi_desc, lo_desc
 @launched
 @gluon.jit
 def _grad_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, SLICE_K, slices, M_PLANE, A_T: gl.constexpr,
-                 MODE: gl.constexpr, FIRST: gl.constexpr, HM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                 MODE: gl.constexpr, READS_C: gl.constexpr, HM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, EPI: gl.constexpr, ROWS_FAST: gl.constexpr, ASM: gl.constexpr,
                  COMPUTE_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     # a_desc: A [M, K] in [HM, BK] blocks, or with A_T dZ [K, M] in [BK, HM] blocks (each stage holds a tile's
@@ -220,10 +217,10 @@ def _grad_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, SLICE_K, slices, M_P
     programs = gl.num_programs(0)
     gl.warp_specialize([
         (_compute, (a_ring, b_ring, ready, empty, hi_s, lo_s, c_ready, hi_desc, lo_desc, pid, programs, n_m, n_n,
-                    n_tiles, n_items, K, SLICE_K, M_PLANE, 0, HM, BN, BK, STAGES, EPI, ROWS_FAST, A_T, MODE, FIRST,
+                    n_tiles, n_items, K, SLICE_K, M_PLANE, 0, HM, BN, BK, STAGES, EPI, ROWS_FAST, A_T, MODE, READS_C,
                     ASM)),
         (_compute, (a_ring, b_ring, ready, empty, hi_s, lo_s, c_ready, hi_desc, lo_desc, pid, programs, n_m, n_n,
-                    n_tiles, n_items, K, SLICE_K, M_PLANE, 1, HM, BN, BK, STAGES, EPI, ROWS_FAST, A_T, MODE, FIRST,
+                    n_tiles, n_items, K, SLICE_K, M_PLANE, 1, HM, BN, BK, STAGES, EPI, ROWS_FAST, A_T, MODE, READS_C,
                     ASM)),
         (_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, pid, programs, n_m, n_n, n_tiles, n_items, K,
                    SLICE_K, HM, BN, BK, STAGES, ROWS_FAST, A_T)),
@@ -256,9 +253,10 @@ def _launch(a, a_t, b, c, lo, m, mode, first, cfg, slices=1, slice_k=None, m_pla
     if lo is None:
         descs.append(descs[-1])
     grid = (min(cdiv(m, cfg.tile_m) * cdiv(n, bn) * slices, processors(b.device)),)
-    _grad_kernel[grid](*descs, m, n, k, slice_k, slices, m_plane, A_T=a_t, MODE=mode, FIRST=first, HM=hm, BN=bn,
-                       BK=bk, STAGES=cfg.num_stages, EPI=epi, ROWS_FAST=rows_fast(m, n, cfg.tile_m, bn), ASM=fm.ASM,
-                       COMPUTE_REGS=cfg.compute_regs, LOADER_REGS=cfg.loader_regs, num_warps=4)
+    _grad_kernel[grid](*descs, m, n, k, slice_k, slices, m_plane, A_T=a_t, MODE=mode, READS_C=reads_c(mode, first),
+                       HM=hm, BN=bn, BK=bk, STAGES=cfg.num_stages, EPI=epi,
+                       ROWS_FAST=rows_fast(m, n, cfg.tile_m, bn), ASM=fm.ASM, COMPUTE_REGS=cfg.compute_regs,
+                       LOADER_REGS=cfg.loader_regs, num_warps=4)
 
 
 def dx_planes(dz, w, c, slices, slice_k, cfg=GRAD_GEMM_GLUON):
