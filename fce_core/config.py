@@ -285,9 +285,13 @@ GRAD_GEMM_GLUON = SplitTileGradConfig()
 # or its slices' float32 planes)
 GLUON_GEMMS = ("pair", "dw", "dx")
 # Those of GLUON_GEMMS that take GRAD_GEMM_GLUON where it applies and no launch is given; the others keep the Triton
-# kernel (the same bits either way). dX and dW written once have not run on a GPU on it yet (bench's --gluon-grads
-# times them in the engine)
-GLUON_GRADS = ("pair",)
+# kernel (the same bits either way: bench/results/nvidia-h100/gluon-dx-dw/). dW written once (one chunk, a kept dZ's
+# group) against the Triton kernel on the H100: 6.13 against 6.66 ms at (4096, 4096, 128256)'s kept group, 8-11%
+# faster at H = 640 and 896, 4% slower at K = 1024-2048 with H >= 2048; fce_torch fwd+bwd at 4096x4096 medians 19.90
+# against 20.16 ms over 7 alternating rounds. dX stays on the Triton kernel: 6% faster per chunk at H = 640, 1-3%
+# slower at H >= 2048, and within the rounds' spread in the engine (medians 19.98 against 20.13 ms at 8192x640, 42.18
+# against 42.08 at 16384x2048, 14.29 against 14.27 at 8192x896 over 15 alternating rounds)
+GLUON_GRADS = ("pair", "dw")
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)
 # Other launch tiles than the JAX twin's in the CPU tests too: the twins' bits must not depend on them.

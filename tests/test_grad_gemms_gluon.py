@@ -35,6 +35,15 @@ def test_gluon_grads_do_not_apply_on_the_interpreter():
         grad_gemms_gluon.dx_planes(dz, x[:96], torch.empty(2, 40, 64), 2, 64)
 
 
+def test_gluon_grads_take_a_ragged_k_only_in_the_last_slice():
+    """One slice may end inside a K step (a chunk of 200 rows, dW's K); slices before the last may not."""
+    bk = GRAD_GEMM_GLUON.tile_k
+    grad_gemms_gluon.check_slices(200, 1, bk)
+    grad_gemms_gluon.check_slices(4 * bk, 3, bk)
+    with pytest.raises(ValueError, match="whole K steps"):
+        grad_gemms_gluon.check_slices(4 * bk + 8, 3, bk)
+
+
 def _bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 

@@ -239,12 +239,18 @@ def applies(a, b, c, k, mode, lo=None):
             and sm90(b.device) and tma_ready(*arrays))
 
 
+def check_slices(slice_k, slices, bk):
+    """Every slice of K but the last (the only one included) whole K steps of bk: the last may end inside one, whose
+    columns past K TMA reads as zeros."""
+    if slices > 1 and slice_k % bk:
+        raise ValueError(f"a slice of K ({slice_k}) must be whole K steps of {bk} where there are several")
+
+
 def _launch(a, a_t, b, c, lo, m, mode, first, cfg, slices=1, slice_k=None, m_plane=0):
     hm, bn, bk, epi = cfg.tile_m // COMPUTE_WGS, cfg.tile_n, cfg.tile_k, cfg.epilogue_cols
     k, n = b.shape
     slice_k = k if slice_k is None else slice_k
-    if slice_k % bk:
-        raise ValueError(f"a slice of K ({slice_k}) must be whole K steps of {bk}")
+    check_slices(slice_k, slices, bk)
     outs = [(c, [hm, epi], C_DTYPES[mode][c.dtype])]
     if lo is not None:
         outs.append((lo, [hm, epi], gl.int8))
