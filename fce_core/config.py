@@ -289,8 +289,8 @@ GLUON_GEMMS = ("pair", "dw", "dx")
 # group) against the Triton kernel on the H100: 6.13 against 6.66 ms at (4096, 4096, 128256)'s kept group, 8-11%
 # faster at H = 640 and 896, 4% slower at K = 1024-2048 with H >= 2048; fce_torch fwd+bwd at 4096x4096 medians 19.90
 # against 20.16 ms over 7 alternating rounds. dX stays on the Triton kernel: 6% faster per chunk at H = 640, 1-3%
-# slower at H >= 2048, and within the rounds' spread in the engine (medians 19.98 against 20.13 ms at 8192x640, 42.18
-# against 42.08 at 16384x2048, 14.29 against 14.27 at 8192x896 over 15 alternating rounds)
+# slower at H >= 2048, and within the rounds' spread in the engine (medians 19.98 against 20.12 ms at 8192x640, 42.18
+# against 42.04 at 16384x2048, 14.29 against 14.27 at 8192x896 over 15-16 alternating rounds)
 GLUON_GRADS = ("pair", "dw")
 GRAD_GEMM_INTERPRETER = GradGemmConfig(split_m=16, split_n=16, tile_k=16, tile_m=16, tile_n=16, num_warps=4,
                                        num_stages=1)
