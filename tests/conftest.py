@@ -3,8 +3,9 @@
 The first statements run before any test module imports triton or jax: on a machine without an NVIDIA GPU
 they select the Triton interpreter (``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` is defined)
 and the JAX CPU backend (``JAX_PLATFORMS=cpu``, only if the caller has not set it) with a thread pool of at
-least 8 (``PJRT_NPROC``, likewise). ``FCE_TEST_DEVICE=cpu`` or ``=cuda`` overrides the detection (which looks
-for ``nvidia-smi`` on the PATH).
+least 8 (``PJRT_NPROC``, likewise), XLA's quick compile options in ``XLA_FLAGS`` (`quick_xla`) and the Triton
+interpreter without its re-patching at each helper call (`triton_interpreter`). ``FCE_TEST_DEVICE=cpu`` or
+``=cuda`` overrides the detection (which looks for ``nvidia-smi`` on the PATH).
 
 Provided here: the ``device`` fixture ("cuda" or "cpu"), the ``gpu`` marker (skipped without a GPU), and
 automatic parametrization of any test that takes a ``case`` argument over ``parity.cases.small_cases()``
@@ -16,6 +17,13 @@ import os
 import shutil
 import sys
 
+# `from helpers import ...` works whatever pytest's import mode is.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+import quick_xla  # noqa: E402
+
 _forced = os.environ.get("FCE_TEST_DEVICE", "").strip().lower()
 HAS_GPU = _forced == "cuda" if _forced in ("cpu", "cuda") else shutil.which("nvidia-smi") is not None
 if not HAS_GPU:
@@ -24,11 +32,10 @@ if not HAS_GPU:
     # XLA CPU's thread pool, sized when JAX starts: Mosaic GPU's interpret mode blocks pool threads in its
     # barrier waits and deadlocks in a pool of the CI's 2 cores (fce_jax/kernels/mgpu.py refuses to run there).
     os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
+    os.environ["XLA_FLAGS"] = quick_xla.with_flags(os.environ.get("XLA_FLAGS", ""))
+    import triton_interpreter  # noqa: E402
 
-# `from helpers import ...` works whatever pytest's import mode is.
-_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
+    triton_interpreter.skip_repatching()
 
 import pytest  # noqa: E402
 
@@ -39,8 +46,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped on CPU-only machines)")
 
 
-# The longest test files first (about 410, 280, 120, 120, 90, 80 and 70 s in one process on two cores), so that
-# `make test`'s two xdist workers, which take files in this order, do not start one of them last.
+# The longest test files first (test_fused_engine.py alone holds over a third of the suite's time; `make test`
+# lists the slowest tests), so that `make test`'s two xdist workers, which take files in this order, do not start
+# one of them last.
 LONG_FILES = ("test_fused_engine.py", "test_peers.py", "test_distributed_torch.py", "test_distributed_jax.py",
               "test_bench.py", "test_compile.py", "test_vocab_parallel_tools.py")
 

@@ -6,9 +6,11 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from quick_xla import with_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_flags("--xla_force_host_platform_device_count=8")
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -21,7 +23,7 @@ from parity.ranks import jax_child  # noqa: E402
 from parity.reference import cpo_reference, flce_reference, logprobs_reference, rel_err  # noqa: E402
 from hlo import large_collectives  # noqa: E402
 
-N, H, V = 32, 24, 1024
+N, H, V = 32, 24, 512
 OPTS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=15.0, chunk_rows=8)
 
 

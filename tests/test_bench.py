@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {  # the smoke runs, started together: each is mostly one busy thread; the first argument names the JSON
-    "op": ["op", "--shape", "64,128,512"],
+    "op": ["op", "--shape", "64,128,256"],
     "sft": ["sft", "--impl", "hf_stock,fce_torch,jax_naive"],
     "sft_profile": ["sft", "--profile", "--impl", "hf_stock,jax_naive"],  # + body_only in torch and JAX
     "cpo": ["cpo"],

@@ -1011,8 +1011,9 @@ def test_jax_mosaic_grad_gemms(dtype, hidden):
         jdt = getattr(jnp, dtype)
 
         def f(dz, w, x):
-            acc = jg.dw_accumulate(dz[20:], x[20:], jg.dw_first(dz[:20], x[:20], jdt, cfg=cfg), cfg=cfg)
-            last = jg.dw_accumulate(dz[20:], x[20:], jg.dw_first(dz[:20], x[:20], jdt, cfg=cfg), cfg=cfg, last=True)
+            first = jg.dw_first(dz[:20], x[:20], jdt, cfg=cfg)
+            acc = jg.dw_accumulate(dz[20:], x[20:], first, cfg=cfg)
+            last = jg.dw_accumulate(dz[20:], x[20:], first, cfg=cfg, last=True)
             return {"dx": jg.dx_gemm(dz, w, jdt, cfg=cfg), "last": last,
                     "dx_one_slice": jg.dx_gemm(dz[:, :200], w[:200], jdt, cfg=cfg),
                     "dw": jg.dw_gemm(dz, x, jdt, cfg=cfg), "acc": acc if isinstance(acc, tuple) else (acc,)}

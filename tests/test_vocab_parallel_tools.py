@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+from quick_xla import with_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env = {**os.environ, "XLA_FLAGS": with_flags()}  # the caller's flags left out; the tools add their devices
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
 

@@ -24,20 +24,15 @@ import pytest
 import torch
 
 from helpers import case_chunk_rows, dtype_name_or_str, to_jax
+from quick_xla import OPTIONS as QUICK_COMPILE
 from parity.cases import make_inputs
 from parity.reference import as_float64
 
 GRAD_NAMES = {"x": "dx", "weight": "dw", "bias": "db", "class_weights": "dcw"}
 
 
-# XLA options of the test programs: on a CPU the kernels run in Pallas interpret mode, whose programs take far
-# longer to optimize and compile than to run (about 3x faster to build with these); the arithmetic is the same.
-QUICK_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                 "xla_cpu_use_fusion_emitters": False}
-
-
 def quick_jit(fn, **kw):
-    """jax.jit(fn) compiled with QUICK_COMPILE."""
+    """jax.jit(fn) compiled with `quick_xla.OPTIONS`."""
     import jax
 
     return jax.jit(fn, compiler_options=QUICK_COMPILE, **kw)

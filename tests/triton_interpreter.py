@@ -1,0 +1,28 @@
+"""A faster Triton interpreter call path for the CPU tests (TRITON_INTERPRET=1), the same execution.
+
+Triton's interpreter patches `triton.language` for the interpreter (`interpreter._patch_lang`: every builtin of
+the modules found by `inspect.getmembers`) when a kernel launches, restoring it when the grid is done, and again
+at every call of a `@triton.jit` helper from inside the kernel, where the language is patched already: the
+helper's patch wraps nothing (a patched member is no longer a builtin) and is never restored. fce's kernels call
+small helpers (fastmath, sums) thousands of times per launch, and that repeated `inspect.getmembers` took about a
+quarter of an interpreted test's time. `skip_repatching` makes a call whose modules are all patched already
+return an empty scope; any other call (each launch, a helper reaching an unpatched module) patches as before."""
+
+
+def skip_repatching():
+    """Install the shortcut (on triton.runtime.interpreter; a no-op where that has no `_patch_lang`)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or getattr(original, "skips_repatching", False):
+        return
+
+    def patch_lang(fn):
+        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):
+            return interpreter._LangPatchScope()
+        return original(fn)
+
+    patch_lang.skips_repatching = True
+    interpreter._patch_lang = patch_lang
