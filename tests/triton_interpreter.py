@@ -4,9 +4,10 @@ Triton's interpreter patches `triton.language` for the interpreter (`interpreter
 the modules found by `inspect.getmembers`) when a kernel launches, restoring it when the grid is done, and again
 at every call of a `@triton.jit` helper from inside the kernel, where the language is patched already: the
 helper's patch wraps nothing (a patched member is no longer a builtin) and is never restored. fce's kernels call
-small helpers (fastmath, sums) thousands of times per launch, and that repeated `inspect.getmembers` took about a
-quarter of an interpreted test's time. `skip_repatching` makes a call whose modules are all patched already
-return an empty scope; any other call (each launch, a helper reaching an unpatched module) patches as before."""
+small helpers (fastmath, sums) thousands of times per launch; skipping that repeated `inspect.getmembers` took
+9-13% off the interpreted fused-engine tests timed (38.4 -> 34.9 s, 37.4 -> 32.4 s). `skip_repatching` makes a
+call whose modules are all patched already return an empty scope; any other call (each launch, a helper reaching
+an unpatched module) patches as before."""
 
 
 def skip_repatching():
