@@ -4,8 +4,8 @@ The first statements run before any test module imports triton or jax: on a mach
 they select the Triton interpreter (``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` is defined)
 and the JAX CPU backend (``JAX_PLATFORMS=cpu``, only if the caller has not set it) with a thread pool of at
 least 8 (``PJRT_NPROC``, likewise), XLA's quick compile options in ``XLA_FLAGS`` (`quick_xla`) and the Triton
-interpreter without its re-patching at each helper call (`triton_interpreter`). ``FCE_TEST_DEVICE=cpu`` or
-``=cuda`` overrides the detection (which looks for ``nvidia-smi`` on the PATH).
+interpreter without its re-patching at each helper call and with its numpy dtypes cached (`triton_interpreter`).
+``FCE_TEST_DEVICE=cpu`` or ``=cuda`` overrides the detection (which looks for ``nvidia-smi`` on the PATH).
 
 Provided here: the ``device`` fixture ("cuda" or "cpu"), the ``gpu`` marker (skipped without a GPU), and
 automatic parametrization of any test that takes a ``case`` argument over ``parity.cases.small_cases()``
@@ -36,6 +36,7 @@ if not HAS_GPU:
     import triton_interpreter  # noqa: E402
 
     triton_interpreter.skip_repatching()
+    triton_interpreter.memoize_np_dtypes()
 
 import pytest  # noqa: E402
 

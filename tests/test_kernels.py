@@ -779,3 +779,28 @@ def test_value_flags(dtype, n):
             w = weights.clone()
             w[at] = odd
             assert value_flags(y, 60, -100, w, cfg)[0].tolist()[2] == 1
+
+
+def test_interpreter_dtype_cache_answers_as_triton():
+    """conftest's memoized `_get_np_dtype` (tests/triton_interpreter.py) gives the interpreter's own answer for
+    every scalar type it maps, blocks of each, and pointers, scalar and in blocks."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    import triton_interpreter
+
+    original = getattr(interpreter._get_np_dtype, "original", interpreter._get_np_dtype)
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+               tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    types = scalars + [tl.block_type(t, [4, 8]) for t in scalars]
+    types += [tl.pointer_type(tl.float32), tl.block_type(tl.pointer_type(tl.bfloat16), [16])]
+    saved = interpreter._get_np_dtype
+    try:
+        interpreter._get_np_dtype = original
+        triton_interpreter.memoize_np_dtypes()
+        memo = interpreter._get_np_dtype
+        assert memo.original is original
+        for _ in range(2):  # the second pass answers from the cache
+            assert [memo(t) for t in types] == [original(t) for t in types]
+    finally:
+        interpreter._get_np_dtype = saved

@@ -7,7 +7,31 @@ helper's patch wraps nothing (a patched member is no longer a builtin) and is ne
 small helpers (fastmath, sums) thousands of times per launch; skipping that repeated `inspect.getmembers` took
 9-13% off the interpreted fused-engine tests timed (38.4 -> 34.9 s, 37.4 -> 32.4 s). `skip_repatching` makes a
 call whose modules are all patched already return an empty scope; any other call (each launch, a helper reaching
-an unpatched module) patches as before."""
+an unpatched module) patches as before.
+
+`memoize_np_dtypes`: the interpreter maps each value's Triton type to its numpy dtype (`_get_np_dtype`) at every
+cast, constant and bitcast, building its table of every scalar type anew each time (hashing each key by name).
+A block's numpy dtype is its element's, so a cache over the scalar element types gives the same answers (pointer
+types, which are not hashable, go to the original, whose first test answers them)."""
+import functools
+
+
+def memoize_np_dtypes():
+    """Install the cache (on triton.runtime.interpreter; a no-op where that has no `_get_np_dtype`)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or hasattr(original, "original"):
+        return
+    scalar_np_dtype = functools.lru_cache(maxsize=None)(original)
+
+    def get_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        return original(scalar) if isinstance(scalar, tl.pointer_type) else scalar_np_dtype(scalar)
+
+    get_np_dtype.original = original
+    interpreter._get_np_dtype = get_np_dtype
 
 
 def skip_repatching():
