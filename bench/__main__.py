@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
                           "torch run's kernels by category (GEMM, attention, loss, optimizer, other)")
     sft.add_argument("--model", action="append", metavar="NAME",
                      help="run this model of bench.sft.MODELS (repeatable; default: all)")
+    sft.add_argument("--compile-body", action="store_true",
+                     help="torch.compile the torch models' decoders (model.model), for every loss alike; the "
+                          "heads and losses stay as each implementation ships them")
     cpo = sub.add_parser("cpo", parents=[common], help="the fused linear CPO preference loss")
     cpo.add_argument("--pairs", type=_pairs, metavar="B[,B...]",
                      help="run these numbers of preference pairs (default 1,2,4,8; smoke 1,2)")
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.bench == "sft":
         from bench import sft as mod
 
-        result = mod.run(settings, progress, profile=args.profile, model_names=args.model)
+        result = mod.run(settings, progress, profile=args.profile, model_names=args.model,
+                         compile_body=args.compile_body)
     elif args.bench == "logprobs":
         from bench import logprobs as mod
 

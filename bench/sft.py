@@ -91,7 +91,9 @@ PLOTS = [
 # --- torch / transformers -------------------------------------------------------------------------------
 
 
-def _hf_model(spec: dict, settings: Settings):
+def _hf_model(spec: dict, settings: Settings, compile_body: bool = False):
+    """The model of ``spec``; with ``compile_body`` its decoder (``model.model``) is ``torch.compile``'d in place,
+    so every loss, which all take that decoder's hidden states, runs after the same compiled body."""
     import torch
     import transformers
 
@@ -100,7 +102,10 @@ def _hf_model(spec: dict, settings: Settings):
     cfg = cls(**kw, tie_word_embeddings=True, attention_dropout=0.0)
     torch.manual_seed(0)
     with torch.device(settings.device):
-        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if compile_body:
+        model.model.compile()
+    return model
 
 
 def _stock(model):
@@ -136,11 +141,11 @@ JAX = ("jax_naive", "jax_f32_logits", *FCE_JAX)
 
 
 def _torch_run(spec: dict, impl: str, ids_np: np.ndarray, steps: int, settings: Settings,
-               profile_steps: int = 0) -> dict:
+               profile_steps: int = 0, compile_body: bool = False) -> dict:
     """``steps`` timed training steps; then, with ``profile_steps``, that many more under torch.profiler."""
     import torch
 
-    model = _hf_model(spec, settings)
+    model = _hf_model(spec, settings, compile_body)
     loss_fn = (_body if impl == ABLATION else TORCH[impl])(model)  # may raise Unavailable
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=settings.gpu)
     ids = torch.from_numpy(ids_np).to(settings.device)
@@ -278,10 +283,10 @@ def _ids(spec: dict, batch: int, seq: int) -> np.ndarray:
 
 
 def _timed_runs(framework: str, impls: list[str], models: dict, shape: tuple, settings: Settings,
-                notes: dict[str, str], progress: Progress) -> list[dict]:
+                notes: dict[str, str], progress: Progress, compile_body: bool) -> list[dict]:
     """One row per (implementation, model) that can run here; why the others cannot goes into ``notes``."""
     batch, seq, steps, warm = shape
-    runner = _torch_run if framework == "torch" else _jax_run
+    runner = functools.partial(_torch_run, compile_body=compile_body) if framework == "torch" else _jax_run
     rows: list[dict] = []
     for impl in impls:
         for model, spec in models.items():
@@ -315,7 +320,7 @@ def _timed_runs(framework: str, impls: list[str], models: dict, shape: tuple, se
 
 
 def _profile_torch(rows: list[dict], models: dict, shape: tuple, settings: Settings, notes: dict[str, str],
-                   progress: Progress) -> list[dict]:
+                   progress: Progress, compile_body: bool) -> list[dict]:
     """Profile every torch run that worked, each on a fresh model: ``warm`` steps, then the captured ones."""
     batch, seq, _, warm = shape
     captures = []
@@ -324,7 +329,8 @@ def _profile_torch(rows: list[dict], models: dict, shape: tuple, settings: Setti
             continue
         spec, label = models[r["model"]], f"sft profile {r['model']:<14} {r['impl']:<10}"
         try:
-            out = _torch_run(spec, r["impl"], _ids(spec, batch, seq), warm, settings, profiling.PROFILE_STEPS)
+            out = _torch_run(spec, r["impl"], _ids(spec, batch, seq), warm, settings, profiling.PROFILE_STEPS,
+                             compile_body)
         except Exception as exc:  # OOM under the profiler, ...: the timed row stands, the split is missing
             notes[f"profile {r['model']} {r['impl']}"] = short_error(exc)
             progress.log(f"{label} {short_error(exc)}")
@@ -334,9 +340,10 @@ def _profile_torch(rows: list[dict], models: dict, shape: tuple, settings: Setti
     return captures
 
 
-def run(settings: Settings, progress: Progress, profile: bool = False, model_names: list[str] | None = None
-        ) -> dict:
-    """The steps of every implementation on each model (`model_names`: names of MODELS, default all)."""
+def run(settings: Settings, progress: Progress, profile: bool = False, model_names: list[str] | None = None,
+        compile_body: bool = False) -> dict:
+    """The steps of every implementation on each model (`model_names`: names of MODELS, default all); with
+    `compile_body`, the torch runs' decoders are ``torch.compile``'d (`_hf_model`)."""
     catalog = SMOKE_MODELS if settings.smoke else MODELS
     unknown = sorted(set(model_names or ()) - set(catalog))
     if unknown:
@@ -351,9 +358,9 @@ def run(settings: Settings, progress: Progress, profile: bool = False, model_nam
     # profiling pass right after the timed torch runs, so that the profiler cannot slow any of them.
     for framework in ("torch", "jax"):
         rows += _timed_runs(framework, _impls(framework, settings, profile), models, shape, settings, notes,
-                            progress)
+                            progress, compile_body)
         if framework == "torch" and profile:
-            captures = _profile_torch(rows, models, shape, settings, notes, progress)
+            captures = _profile_torch(rows, models, shape, settings, notes, progress, compile_body)
     order = list(models)
     rows.sort(key=lambda r: order.index(r["model"]))  # stable: per model, in the order run
     captures.sort(key=lambda c: order.index(c["model"]))
@@ -364,8 +371,10 @@ def run(settings: Settings, progress: Progress, profile: bool = False, model_nam
             progress.log(f"sft {r['model']:<14} {r['framework']:<5} {r['impl']:<10} head+loss "
                          f"{r['head_loss_ms']:8.2f} of {r['step_ms']:.2f} ms/step ({r['head_loss_share']:.0%})")
     m = meta(settings, batch=batch, seq=seq, steps=steps, warm_steps=warm, lr=LR, weight_decay=WEIGHT_DECAY,
-             models=models, tolerances={"step1": STEP1_RTOL, "curve": CURVE_RTOL}, profile=profile)
-    result = {"bench": "sft", "title": f"Training step, bf16, {batch}x{seq} tokens ({m['device']})", "meta": m,
+             models=models, tolerances={"step1": STEP1_RTOL, "curve": CURVE_RTOL}, profile=profile,
+             torch_decoder="torch.compile" if compile_body else "eager")
+    body = ", torch decoder compiled" if compile_body else ""
+    result = {"bench": "sft", "title": f"Training step, bf16, {batch}x{seq} tokens{body} ({m['device']})", "meta": m,
               "notes": notes, "rows": rows}
     if profile:
         m["profile_steps"] = profiling.PROFILE_STEPS

@@ -20,8 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {  # the smoke runs, started together: each is mostly one busy thread; the first argument names the JSON
     "op": ["op", "--shape", "64,128,256"],
-    "sft": ["sft", "--impl", "hf_stock,fce_torch,jax_naive"],
-    "sft_profile": ["sft", "--profile", "--impl", "hf_stock,jax_naive"],  # + body_only in torch and JAX
+    "sft": ["sft", "--compile-body", "--impl", "hf_stock,fce_torch,jax_naive"],  # torch.compile'd decoders
+    "sft_profile": ["sft", "--profile", "--impl", "hf_stock,jax_naive"],  # eager; + body_only in torch and JAX
     "cpo": ["cpo"],
 }
 
@@ -107,6 +107,7 @@ def test_sft_smoke(bench):
     _check_rows(result, {"hf_stock", "fce_torch", "jax_naive"}, {"hf_stock", "jax_naive"})
     rows = result["rows"]
     assert {r["model"] for r in rows} == {"tiny-qwen2", "tiny-llama"}
+    assert result["meta"]["torch_decoder"] == "torch.compile" and "decoder compiled" in result["title"]
     assert "body_only" not in {r["impl"] for r in rows} and "profile" not in result  # only with --profile
     for r in rows:
         if r["step_ms"] is not None:
@@ -123,6 +124,7 @@ def test_sft_profile_smoke(bench):
     from bench import profiling
 
     result, _, out = bench("sft_profile")
+    assert result["meta"]["torch_decoder"] == "eager"
     _check_rows(result, {"hf_stock", "jax_naive", "body_only"}, {"hf_stock", "jax_naive", "body_only"})
     rows = result["rows"]
     bodies = {(r["model"], r["framework"]): r for r in rows if r["impl"] == "body_only"}
