@@ -18,6 +18,9 @@ step-1 loss and its difference to the framework's plain loss, and whether the wh
 within bf16 noise (``STEP1_RTOL``; ``CURVE_RTOL`` or twice the plain loss's own run-to-run difference, the
 ``rerun`` column: the plain loss runs twice).
 
+``--compile-body`` compiles every torch model's decoder (``model.model``) with ``torch.compile`` (`_hf_model`): the
+step as a compiled training stack runs it, the same decoder before every loss.
+
 ``--profile`` answers "where does the step time go". It adds, per framework that runs, an ablation row
 ``body_only`` (also selectable alone with ``--impl body_only``): the same step with the loss replaced by
 ``mean(h**2)`` of the decoder's last hidden states (torch: ``model.model(...).last_hidden_state``; JAX:
