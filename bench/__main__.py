@@ -1,7 +1,8 @@
 """Command line: ``python -m bench {op,sft,cpo,logprobs} [--smoke] [--shape N,H,V|anchors]... [--impl NAME]...
 [--out DIR] [--reps K] [--warmup K] [--logits-gemm FIELD=VALUE]... [--grad-gemms FIELD=VALUE]...
 [--gluon-grads NAMES]``; ``sft``
-also takes ``--profile`` (where the step time goes), ``cpo`` ``--pairs B[,B...]``.
+also takes ``--profile`` (where the step time goes) and ``--compile-body``, ``op`` ``--isolate`` (a process per
+implementation), ``cpo`` ``--pairs B[,B...]``.
 
 Progress goes to stderr (one line per cell), the final table to stdout, and JSON + Markdown + PNG files to
 ``--out`` (default ``bench/results/<gpu-name>/``, ``bench/results/cpu-smoke/`` with ``--smoke``).
@@ -124,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     op.add_argument("--shape", action="append", type=_shape, metavar="N,H,V",
                     help="run this shape (repeatable; 'anchors' = the five anchor shapes of DESIGN.md); "
                          "default: the anchors (smoke: two tiny shapes)")
+    op.add_argument("--isolate", action="store_true",
+                    help="run each implementation in a process of its own, one after the other (each also "
+                         "measures the cuBLAS reference), then write one table from them")
     op.add_argument("--vocab-parallel", type=int, default=None, metavar="P",
                     help="the weight split over V in P shards: time and peak memory per device against one "
                          "device (torch: one process per GPU, NCCL; JAX: shard_map over P devices)")
@@ -141,6 +145,20 @@ def _parser() -> argparse.ArgumentParser:
                      help="run these numbers of preference pairs (default 1,2,4,8; smoke 1,2)")
     sub.add_parser("logprobs", parents=[common], help="per-token log-probs and entropy, forward+backward")
     return parser
+
+
+def _child_args(args: argparse.Namespace, shapes: list, settings) -> list[str]:
+    """The ``op`` arguments that an implementation's own process repeats under ``--isolate`` (not --impl, --out)."""
+    def value(v):
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    out = [x for n, h, v in shapes for x in ("--shape", f"{n},{h},{v}")]
+    out += ["--reps", str(settings.reps), "--warmup", str(settings.warmup)] + ["--smoke"] * args.smoke
+    out += [x for name, v in args.logits_gemm for x in ("--logits-gemm", f"{name}={value(v)}")]
+    out += [x for name, v in args.grad_gemms for x in ("--grad-gemms", f"{name}={value(v)}")]
+    if args.gluon_grads is not None:
+        out += ["--gluon-grads", ",".join(args.gluon_grads) or "none"]
+    return out
 
 
 def _select_device(smoke: bool) -> str:
@@ -165,7 +183,10 @@ def _select_device(smoke: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "isolate", False) and args.vocab_parallel:
+        parser.error("--isolate and --vocab-parallel do not go together: the vocab-parallel run has its processes")
     device = _select_device(args.smoke)
 
     from bench import common, report
@@ -201,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             from bench import vocab_parallel as mod
 
             result = mod.run(settings, shapes, args.vocab_parallel, progress)
+        elif args.isolate:
+            result = mod.run_isolated(settings, shapes, progress, _child_args(args, shapes, settings))
         else:
             result = mod.run(settings, shapes, progress)
     elif args.bench == "sft":

@@ -23,6 +23,8 @@ RUNS = {  # the smoke runs, started together: each is mostly one busy thread; th
     "sft": ["sft", "--compile-body", "--impl", "hf_stock,fce_torch,jax_naive"],  # torch.compile'd decoders
     "sft_profile": ["sft", "--profile", "--impl", "hf_stock,jax_naive"],  # eager; + body_only in torch and JAX
     "cpo": ["cpo"],
+    # one process per implementation; cce cannot run on a CPU, so its process reports why
+    "op_isolated": ["op", "--shape", "32,64,128", "--impl", "fce_torch,torch_naive,jax_naive,cce", "--isolate"],
 }
 
 
@@ -84,6 +86,28 @@ def test_op_smoke(bench):
     for pkg in ("fce_core", "fce_torch", "fce_jax"):  # the code that ran, recorded (A/B runs tell their halves)
         folder, digest = result["meta"]["fce_source"][pkg].split()
         assert Path(folder) == repo / pkg and len(digest) == 16, result["meta"]["fce_source"]
+
+
+def test_op_isolated_smoke(bench):
+    """--isolate: each implementation's rows come from its own process's report, the ratio to the reference from
+    that process, the loss differences across processes; the reference rows once, every process's time in meta."""
+    from bench import op
+
+    result, stdout, out = bench("op_isolated")
+    names = ["fce_torch", "cce", "torch_naive", "jax_naive"]  # the registries' order
+    assert result["meta"]["isolated"] == names and "one process per implementation" in result["title"]
+    assert "cce" in result["notes"] and "cce" not in {r["impl"] for r in result["rows"]}
+    rows = {(r["impl"], r["mode"]): r for r in result["rows"]}
+    assert len(rows) == len(result["rows"]) == 8  # the reference once, three implementations, two modes
+    for mode in ("fwd+bwd", "loss"):
+        assert len(result["meta"]["reference_ms"][f"32,64,128 {mode}"]) == len(names)
+        for name in ("fce_torch", "torch_naive", "jax_naive"):
+            own = json.loads((out / "processes" / name / "op.json").read_text())["rows"]
+            ref = next(r for r in own if r["impl"] == op.REFERENCE and r["mode"] == mode)
+            row = rows[(name, mode)]
+            assert row["ms"] > 0 and row["x_ref"] == row["ms"] / ref["ms"]
+    assert rows[("fce_torch", "fwd+bwd")]["dloss"] < 1e-3  # against torch_naive, from another process
+    assert rows[("torch_naive", "fwd+bwd")]["dloss"] is None and "jax_naive" in stdout
 
 
 def test_source_digest_tells_trees_apart(tmp_path):
