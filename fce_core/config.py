@@ -236,14 +236,23 @@ LOGITS_PINGPONG = PingPongConfig()
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
 # The JAX twin's logits GEMM on Pallas Mosaic GPU, opt-in. Raw logits without pz take the ping-pong kernel
-# (LOGITS_PINGPONG's launch): fce_torch's bits, but on the H100 faster than the Triton lowering's kernel only at
-# H = 640 per chunk (0.57 against 0.64 ms at 768x640x262144; 5-29% slower at H >= 2048, and without the tile
-# values stored at every shape), and its accumulator spilled 184-216 bytes a thread
-# (bench/results/nvidia-h100/mosaic-logits-pingpong/). The rest take the kernel whose two compute warpgroups split
-# each 128-row tile: it hung on the H200 until a cross-warpgroup race in its epilogue was removed; since then it
-# returns on the H100, slower than the Triton lowering's kernel and not bitwise with q / pz, a temperature with a
-# bias, or class weights (bench/results/nvidia-h100/engine-v2-flags/). Neither is enabled.
+# (LOGITS_PINGPONG's launch): fce_torch's bits but for pz; on the H100 faster than the Triton lowering's kernel at
+# H = 640 per chunk, even at H = 2048 and slower at H = 4096 (below, and bench/results/nvidia-h100/
+# mosaic-logits-pingpong/, where its accumulator still spilled 184-216 bytes a thread). The rest take the kernel
+# whose two compute warpgroups split each 128-row tile: it hung on the H200 until a cross-warpgroup race in its
+# epilogue was removed; since then it returns on the H100, slower than the Triton lowering's kernel and not bitwise
+# with q / pz, a temperature with a bias, or class weights (bench/results/nvidia-h100/engine-v2-flags/): it is
+# never a default.
 GEMM_MOSAIC = dataclasses.replace(GEMM, tma=True, persistent=True, mosaic=True)
+# Where no launch is given, the JAX twin takes that ping-pong kernel for chunks of more than SHORT_ROWS 16-bit rows
+# whose tile values it stores (a fwd+bwd), not into a kept dZ, at H <= MOSAIC_PINGPONG_MAX_HIDDEN. With its
+# statistics taken block by block it spills 0-24 bytes, and per chunk on the H100 took 0.534 ms against the Triton
+# lowering's 0.643 at (768, 640, 262144), 1.80 against 1.72-1.82 at (2048, 2048, 128256); in the engine fce_jax
+# fwd+bwd went 21.26 / 21.40 -> 20.70 / 20.62 ms at 8192x640, 14.95 / 14.94 -> 14.84 / 14.67 at 8192x896 and
+# 43.85 -> 44.72 at 16384x2048. The loss alone (no tile values) was slower on it at 8192x896 (3.8 -> 4.8 ms), and
+# into a kept dZ (4096x4096) XLA failed at run time (DynamicSliceFusion) (bench/results/nvidia-h100/
+# isolate-twin-profiles/).
+MOSAIC_PINGPONG_MAX_HIDDEN = 1024
 GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GEMM_INTERPRETER, tile_m=128, num_stages=2, tma=True, persistent=True,
                                               mosaic=True)
 GRAD_GEMM = GradGemmConfig()

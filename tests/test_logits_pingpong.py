@@ -254,3 +254,43 @@ def test_jax_pingpong_kernel_lowers_for_the_gpu(monkeypatch):
 
     assert "mosaic_gpu" in lowered(into, s((512, 640), bf), s((1024, 640), bf), s((512,), jnp.int32),
                                    s((2048, 1024), bf), s((), jnp.int32))
+
+
+def test_jax_default_takes_the_pingpong_kernel_where_the_config_says(monkeypatch):
+    """Without a launch given, the JAX twin's logits GEMM (lowered for CUDA on this CPU) is the Mosaic GPU ping-pong
+    kernel for a chunk of more than SHORT_ROWS 16-bit rows of at most MOSAIC_PINGPONG_MAX_HIDDEN columns whose tile
+    values it stores; the Triton lowering's kernel without the tile values, into a kept dZ, for few rows, for wider
+    rows, for float32 and for a bias (which `pingpong_supports` leaves out)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fce_core.config import MOSAIC_PINGPONG_MAX_HIDDEN, SHORT_ROWS
+    from fce_core.heads import StatsSpec
+    from fce_core.options import Transform
+    from fce_jax.kernels import launch, mgpu
+    from fce_jax.kernels import logit_tiles as jt
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+
+    for module in (launch, mgpu, jm, jt):
+        monkeypatch.setattr(module, "interpret_mode", lambda: False)
+    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    wide = MOSAIC_PINGPONG_MAX_HIDDEN
+
+    def kernel(n, h, v=4096, dtype=bf, store=True, bias=False, kept=False):
+        def fn(x, w, y, b, into):
+            return jt.logit_tiles(x, w, b, y, None, spec=StatsSpec(), transform=Transform(), precision=None,
+                                  store=store, into=into, row0=0)
+
+        args = (s((n, h), dtype), s((v, h), dtype), s((n,), jnp.int32), s((v,), jnp.float32) if bias else None,
+                s((2 * n, v), dtype) if kept else None)
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return "mosaic_gpu" if "mosaic_gpu" in text else "triton" if "triton" in text else text[-2000:]
+
+    assert kernel(768, 640) == kernel(SHORT_ROWS + 64, wide) == "mosaic_gpu"
+    assert kernel(768, 640, store=False) == "triton"
+    assert kernel(768, 640, kept=True) == "triton"
+    assert kernel(SHORT_ROWS, 640) == "triton"
+    assert kernel(768, wide + 128) == "triton"
+    assert kernel(768, 640, dtype=jnp.float32) == "triton"
+    assert kernel(768, 640, bias=True) == "triton"

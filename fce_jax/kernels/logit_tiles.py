@@ -8,7 +8,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, LOGITS_PINGPONG, TILE_ROWS, short
+from fce_core.config import (GEMM, GEMM_INTERPRETER, GEMM_SHORT, LOGITS_PINGPONG, MOSAIC_PINGPONG_MAX_HIDDEN,
+                              TILE_ROWS, short)
 from fce_core.rows import safe_targets
 
 from .. import arrays
@@ -155,6 +156,14 @@ def gemm_config(cfg=None, rows=None):
     return GEMM_SHORT if short(rows) else GEMM
 
 
+def pingpong_by_default(x, store, into):
+    """Whether the default launch (no cfg) takes the Mosaic GPU ping-pong kernel, where `pingpong_supports` also
+    holds: on the GPU, for chunks of more than SHORT_ROWS 16-bit rows of at most MOSAIC_PINGPONG_MAX_HIDDEN columns
+    whose tile values are stored (`store`), not into a kept dZ (`into`); the config tells why."""
+    return (not interpret_mode() and store and into is None and jnp.dtype(x.dtype).itemsize == 2
+            and not short(x.shape[0]) and x.shape[1] <= MOSAIC_PINGPONG_MAX_HIDDEN)
+
+
 def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, into=None, row0=0,
                 out_rows=None, store=True, cfg=None, row0_multiple=1):
     """The fused logits GEMM of the rows x [n, H] against w [V, H]. `y` [n]: the targets, read as 0 where
@@ -165,12 +174,14 @@ def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, int
     tile_n) tiles). With `cfg.mosaic` (opt-in) it runs on Mosaic GPU, with the same bits: on the ping-pong
     kernel (LOGITS_PINGPONG, fce_torch's schedule) where `logit_tiles_mgpu.pingpong_supports` says it applies,
     else on the split-tile kernel where `logit_tiles_mgpu.supports` does (`row0_multiple`: what a traced row0 is
-    known to be a multiple of)."""
+    known to be a multiple of). Without a cfg, the ping-pong kernel where `pingpong_by_default` and
+    `pingpong_supports` say so."""
+    pingpong = cfg is None and pingpong_by_default(x, store, into)
     cfg = gemm_config(cfg, x.shape[0])
     y_safe = safe_targets(arrays, y, w.shape[0])
     places = dict(into=into, out_rows=out_rows, row0=row0, row0_multiple=row0_multiple)
-    if cfg.mosaic and pingpong_supports(x, w, bias, class_weights, transform, cfg, LOGITS_PINGPONG,
-                                        has_pz=spec.pz, **places):
+    if (cfg.mosaic or pingpong) and pingpong_supports(x, w, bias, class_weights, transform, cfg, LOGITS_PINGPONG,
+                                                      has_pz=spec.pz, **places):
         return mosaic_logit_tiles(x, w, y_safe, has_q=spec.q, has_pz=spec.pz, store=store, cfg=cfg, into=into,
                                   row0=row0, out_rows=out_rows, pingpong=LOGITS_PINGPONG)
     if cfg.mosaic and supports(x, w, bias, class_weights, transform, cfg, **places):

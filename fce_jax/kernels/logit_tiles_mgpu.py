@@ -258,48 +258,57 @@ def _rows(v_gmem, r0, rows):
 
 def _statistics(total, y, c0, vocab, has_q, has_pz, cw, *, parts=1, store_e=None):
     """(m, s, amax, zy[, q][, pz]) of one warpgroup's rows of the tile, from its float32 logits `total` (`cw`:
-    the columns' class weights, 0 past V, or None). e and the sums go over the columns in `parts` blocks, left
-    to right, each pair of blocks' sums added as `tree_sum` adds the halves of a width: the bits of one tree
-    over every column (fce_torch's ping-pong kernel takes the same blocks). `store_e(j, e)`: block j's e, as
-    it is formed."""
-    shape = total.shape
+    the columns' class weights, 0 past V, or None). Everything goes over the columns in `parts` blocks, left to
+    right, so that no mask or column index of the whole tile's width sits in registers beside the accumulator:
+    the max, the first column that holds it and the target's logit take their blocks' max / min / max (exact,
+    so the bits of one pass over every column); e and the sums, after the max, each pair of blocks' sums added as
+    `tree_sum` adds the halves of a width: the bits of one tree over every column (fce_torch's ping-pong kernel
+    takes the same blocks). `store_e(j, e)`: block j's e, as it is formed."""
+    rows, width = total.shape[0], total.shape[1] // parts
     layout = None if interpret_mode() else plgpu.Layout.WGMMA
-
-    def iota(width):  # column indices within the tile: c0 + them beside the accumulator take registers
-        return (lax.broadcasted_iota(jnp.int32, (shape[0], width), 1) if layout is None else
-                plgpu.broadcasted_iota(jnp.int32, (shape[0], width), 1, layout=layout))
-
-    local = iota(shape[1])
-    in_v = vocab - c0  # columns of the tile inside V
+    local = (lax.broadcasted_iota(jnp.int32, (rows, width), 1) if layout is None else
+             plgpu.broadcasted_iota(jnp.int32, (rows, width), 1, layout=layout))
     # The column mask is skipped in every tile but a partial last one (a predicate of scalars). The target's
     # column is looked for in every tile: skipping tiles without targets needs a reduction over the warpgroup's
     # rows to one scalar, whose cross-warp scratch Mosaic GPU places once per kernel, shared by both compute
     # warpgroups with only a warpgroup barrier around it (a race: a warp could read the other warpgroup's
     # partials and drop its rows' target logit).
-    partial = c0 + shape[1] > vocab
-    z = lax.cond(partial, lambda: jnp.where(local < in_v, total, -jnp.inf), lambda: total)
-    number = z == z
-    m_t = jnp.max(jnp.where(number, z, -jnp.inf), axis=1)
-    m_b = lax.broadcast_in_dim(m_t, shape, [0])
-    arg = jnp.min(jnp.where(z == m_b, local, I32_MAX), axis=1)
-    amax = jnp.where(arg < shape[1], arg + c0, arg)  # none equals a NaN max: I32_MAX, as Triton's
-    zy = jnp.max(jnp.where((local == lax.broadcast_in_dim(y - c0, shape, [0])) & number, z, -jnp.inf), axis=1)
-    width = shape[1] // parts
+    partial = c0 + total.shape[1] > vocab
+
+    def block(j):  # block j's logits (-inf past V) and the columns of it inside V
+        z = total[:, j * width:(j + 1) * width]
+        in_v = vocab - c0 - j * width
+        return lax.cond(partial, lambda: jnp.where(local < in_v, z, -jnp.inf), lambda: z), in_v
+
+    m_t = None
+    for j in range(parts):
+        z, _ = block(j)
+        m_j = jnp.max(jnp.where(z == z, z, -jnp.inf), axis=1)
+        m_t = m_j if m_t is None else jnp.maximum(m_t, m_j)
+    amax = zy = None
     sums = []
     for j in range(parts):
-        cols = slice(j * width, (j + 1) * width)
-        d = z[:, cols] - lax.broadcast_in_dim(m_t, (shape[0], width), [0])
+        z, in_v = block(j)
+        number = z == z
+        arg = jnp.min(jnp.where(z == lax.broadcast_in_dim(m_t, z.shape, [0]), local, I32_MAX), axis=1)
+        arg = jnp.where(arg < width, arg + (c0 + j * width), I32_MAX)  # none equals a NaN max: I32_MAX, as Triton's
+        amax = arg if amax is None else jnp.minimum(amax, arg)
+        at_y = local == lax.broadcast_in_dim(y - (c0 + j * width), z.shape, [0])
+        zy_j = jnp.max(jnp.where(at_y & number, z, -jnp.inf), axis=1)
+        zy = zy_j if zy is None else jnp.maximum(zy, zy_j)
+        d = z - lax.broadcast_in_dim(m_t, z.shape, [0])
         e = jnp.exp2(d * LOG2E)
         if store_e is not None:
             store_e(j, e)
-        block = [tree_sum(e)]
+        sums_j = [tree_sum(e)]
         if has_q or has_pz:
-            d = lax.cond(partial, lambda d=d, j=j: jnp.where(iota(width) < in_v - j * width, d, 0.0), lambda d=d: d)
+            d = lax.cond(partial, lambda d=d, in_v=in_v: jnp.where(local < in_v, d, 0.0), lambda d=d: d)
         if has_q:  # a weighted product rounded, never an FMA with the tree's adds
-            block.append(tree_sum(d if cw is None else lax.optimization_barrier(cw[:, cols] * d)))
+            cols = slice(j * width, (j + 1) * width)
+            sums_j.append(tree_sum(d if cw is None else lax.optimization_barrier(cw[:, cols] * d)))
         if has_pz:
-            block.append(tree_sum(lax.optimization_barrier(e * d)))  # rounded, never an FMA with the tree's adds
-        sums.append(block)
+            sums_j.append(tree_sum(lax.optimization_barrier(e * d)))  # rounded, never an FMA with the tree's adds
+        sums.append(sums_j)
     s, *q_pz = _halves_sum(sums)
     return [m_t, s, amax, zy, *q_pz]
 
