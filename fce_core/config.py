@@ -81,7 +81,8 @@ class GemmConfig:
     `flatten` (fce_torch, persistent): the tile loop and its K loop pipelined as one (Triton's
     `tl.range(flatten=True)`), so that the next tile's loads overlap this tile's epilogue; speed only.
     `mosaic` (the JAX twin): the kernel on Pallas Mosaic GPU where it applies
-    (fce_jax/kernels/logit_tiles_mgpu.py), with the same bits; speed only."""
+    (fce_jax/kernels/logit_tiles_mgpu.py), with the same bits; speed only. `pingpong_max_hidden` (the JAX twin):
+    below."""
     NUMERICS = ("tile_n",)
     tile_m: int = 128
     tile_n: int = 256   # a power of two (the partial sums' tree)
@@ -93,6 +94,10 @@ class GemmConfig:
     flatten: bool = False
     programs_per_sm: int = 1  # persistent programs per multiprocessor: two overlap one's epilogue with the other's MMAs
     mosaic: bool = False
+    # The JAX twin on the GPU without `mosaic`: Mosaic GPU's ping-pong kernel (LOGITS_PINGPONG) for 16-bit rows of at
+    # most this many columns whose tile values are stored, not into a kept dZ, where `pingpong_supports` holds
+    # (0: never); speed only
+    pingpong_max_hidden: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,14 @@ PAIRWISE_INTERPRETER = PairwiseConfig(block=1 << 20)
 GRAD_SCALE = BlockConfig(block=4096, num_warps=8, max_programs=1024)
 # Not flattened: the flattened loop spilled 952 bytes per thread (sm_90a) until the row sums' pairs became
 # warp shuffles (0 since), and was timed at H = 640 only (tools/fused_kernels.py --logits times it again).
-GEMM = GemmConfig()
+# The JAX twin takes Mosaic GPU's ping-pong kernel for H <= 1024 (`pingpong_max_hidden`; fce_torch's bits). With its
+# statistics taken block by block it spills 0-24 bytes, and per chunk on the H100 took 0.534 ms against the Triton
+# lowering's 0.643 at (768, 640, 262144), 1.80 against 1.72-1.82 at (2048, 2048, 128256); in the engine fce_jax
+# fwd+bwd went 21.26 / 21.40 -> 20.70 / 20.62 ms at 8192x640, 14.95 / 14.94 -> 14.84 / 14.67 at 8192x896 and
+# 43.85 -> 44.72 at 16384x2048. The loss alone (no tile values) was slower on it at 8192x896 (3.8 -> 4.8 ms), and
+# into a kept dZ (4096x4096) XLA failed at run time (DynamicSliceFusion) (bench/results/nvidia-h100/
+# isolate-twin-profiles/). `python -m bench op --logits-gemm pingpong_max_hidden=0` runs without it.
+GEMM = GemmConfig(pingpong_max_hidden=1024)
 # The launches for a chunk of at most SHORT_ROWS rows (256 rows in one chunk: a memory-bound logits GEMM and dW
 # of K = 256): the logits GEMM in 4 stages (both twins), the JAX twin's Mosaic GPU dW with its compute warpgroups
 # in turns in 5 stages. H100 at (256, 4096, 128256), fwd+bwd: 4 stages 1.55 -> 1.52 ms (fce_torch) and 1.45 ->
@@ -218,7 +230,7 @@ GEMM = GemmConfig()
 # 4 stages were slower at 1024x2048 and 4096x4096 (bench/results/nvidia-h200/n256-probes/), the pingpong 12% slower
 # at 16384x2048 (bench/results/nvidia-h100/engine-v2-flags/), so longer chunks keep GEMM and GRAD_GEMM_MOSAIC.
 SHORT_ROWS = 256
-GEMM_SHORT = dataclasses.replace(GEMM, num_stages=4)
+GEMM_SHORT = dataclasses.replace(GEMM, num_stages=4, pingpong_max_hidden=0)  # no faster on the ping-pong kernel
 
 
 def short(rows):
@@ -244,15 +256,6 @@ GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_
 # with q / pz, a temperature with a bias, or class weights (bench/results/nvidia-h100/engine-v2-flags/): it is
 # never a default.
 GEMM_MOSAIC = dataclasses.replace(GEMM, tma=True, persistent=True, mosaic=True)
-# Where no launch is given, the JAX twin takes that ping-pong kernel for chunks of more than SHORT_ROWS 16-bit rows
-# whose tile values it stores (a fwd+bwd), not into a kept dZ, at H <= MOSAIC_PINGPONG_MAX_HIDDEN. With its
-# statistics taken block by block it spills 0-24 bytes, and per chunk on the H100 took 0.534 ms against the Triton
-# lowering's 0.643 at (768, 640, 262144), 1.80 against 1.72-1.82 at (2048, 2048, 128256); in the engine fce_jax
-# fwd+bwd went 21.26 / 21.40 -> 20.70 / 20.62 ms at 8192x640, 14.95 / 14.94 -> 14.84 / 14.67 at 8192x896 and
-# 43.85 -> 44.72 at 16384x2048. The loss alone (no tile values) was slower on it at 8192x896 (3.8 -> 4.8 ms), and
-# into a kept dZ (4096x4096) XLA failed at run time (DynamicSliceFusion) (bench/results/nvidia-h100/
-# isolate-twin-profiles/).
-MOSAIC_PINGPONG_MAX_HIDDEN = 1024
 GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GEMM_INTERPRETER, tile_m=128, num_stages=2, tma=True, persistent=True,
                                               mosaic=True)
 GRAD_GEMM = GradGemmConfig()

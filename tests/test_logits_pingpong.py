@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_MOSAIC_INTERPRETER, LOGITS_PINGPONG, SHORT_ROWS
+from fce_core.config import (GEMM, GEMM_INTERPRETER, GEMM_MOSAIC_INTERPRETER, GEMM_SHORT, LOGITS_PINGPONG,
+                             SHORT_ROWS)
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_torch.kernels import logit_tiles_gluon
@@ -257,16 +258,14 @@ def test_jax_pingpong_kernel_lowers_for_the_gpu(monkeypatch):
 
 
 def test_jax_default_takes_the_pingpong_kernel_where_the_config_says(monkeypatch):
-    """Without a launch given, the JAX twin's logits GEMM (lowered for CUDA on this CPU) is the Mosaic GPU ping-pong
-    kernel for a chunk of more than SHORT_ROWS 16-bit rows of at most MOSAIC_PINGPONG_MAX_HIDDEN columns whose tile
-    values it stores; the Triton lowering's kernel without the tile values, into a kept dZ, for few rows, for wider
-    rows, for float32 and for a bias (which `pingpong_supports` leaves out)."""
+    """The JAX twin's logits GEMM lowered for CUDA on this CPU: with GEMM (no launch given), Mosaic GPU's ping-pong
+    kernel for a chunk of more than SHORT_ROWS 16-bit rows of at most `pingpong_max_hidden` columns whose tile values
+    it stores; the Triton lowering's kernel without the tile values, into a kept dZ, for few rows (GEMM_SHORT), for
+    wider rows, for float32, for a bias (which `pingpong_supports` leaves out) and with `pingpong_max_hidden=0`
+    (what `python -m bench op --logits-gemm pingpong_max_hidden=0` sets)."""
     import jax
     import jax.numpy as jnp
 
-    from fce_core.config import MOSAIC_PINGPONG_MAX_HIDDEN, SHORT_ROWS
-    from fce_core.heads import StatsSpec
-    from fce_core.options import Transform
     from fce_jax.kernels import launch, mgpu
     from fce_jax.kernels import logit_tiles as jt
     from fce_jax.kernels import logit_tiles_mgpu as jm
@@ -275,22 +274,24 @@ def test_jax_default_takes_the_pingpong_kernel_where_the_config_says(monkeypatch
         monkeypatch.setattr(module, "interpret_mode", lambda: False)
     monkeypatch.setattr(mgpu, "_cores", lambda: 132)
     s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    wide = MOSAIC_PINGPONG_MAX_HIDDEN
+    wide = GEMM.pingpong_max_hidden
+    assert wide >= 896 and GEMM_SHORT.pingpong_max_hidden == 0
 
-    def kernel(n, h, v=4096, dtype=bf, store=True, bias=False, kept=False):
+    def kernel(n, h, v=4096, dtype=bf, store=True, bias=False, kept=False, cfg=None):
         def fn(x, w, y, b, into):
             return jt.logit_tiles(x, w, b, y, None, spec=StatsSpec(), transform=Transform(), precision=None,
-                                  store=store, into=into, row0=0)
+                                  store=store, into=into, row0=0, cfg=cfg)
 
         args = (s((n, h), dtype), s((v, h), dtype), s((n,), jnp.int32), s((v,), jnp.float32) if bias else None,
                 s((2 * n, v), dtype) if kept else None)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         return "mosaic_gpu" if "mosaic_gpu" in text else "triton" if "triton" in text else text[-2000:]
 
-    assert kernel(768, 640) == kernel(SHORT_ROWS + 64, wide) == "mosaic_gpu"
+    assert kernel(768, 640) == kernel(SHORT_ROWS + 64, wide) == kernel(768, 640, cfg=GEMM) == "mosaic_gpu"
     assert kernel(768, 640, store=False) == "triton"
     assert kernel(768, 640, kept=True) == "triton"
     assert kernel(SHORT_ROWS, 640) == "triton"
     assert kernel(768, wide + 128) == "triton"
     assert kernel(768, 640, dtype=jnp.float32) == "triton"
     assert kernel(768, 640, bias=True) == "triton"
+    assert kernel(768, 640, cfg=dataclasses.replace(GEMM, pingpong_max_hidden=0)) == "triton"

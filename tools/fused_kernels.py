@@ -37,7 +37,8 @@ from fce_jax.kernels import logit_tiles as jt
 from fce_torch.kernels import grad_gemms as tg
 from fce_torch.kernels import logit_tiles as tt
 
-LAUNCH = dict(tma=False, persistent=False, programs_per_sm=1)  # fce_torch's pointer-load kernels, one program per tile
+# fce_torch's pointer-load kernels, one program per tile; the JAX twin's on the Triton lowering
+LAUNCH = dict(tma=False, persistent=False, programs_per_sm=1, pingpong_max_hidden=0)
 VARIANTS = [dataclasses.replace(GEMM, **{**LAUNCH, **kw}) for kw in (
     dict(tma=True, persistent=True), dict(tma=True), {}, dict(tma=True, persistent=True, num_stages=4),
     # the next tile's loads under this one's epilogue (spill-free since the row sums stay in registers)

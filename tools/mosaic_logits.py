@@ -32,6 +32,7 @@ from fce_jax.kernels import mgpu
 from fce_torch.kernels import logit_tiles as tt
 from gluon_logits import bits_equal, chunk_inputs, emitter, report, time_cuda
 
+TRITON_LOWERING = dataclasses.replace(GEMM, pingpong_max_hidden=0)  # the JAX twin's kernel on Pallas' Triton lowering
 SHAPES = [(2048, 2048, 128256), (768, 640, 262144), (1280, 896, 151936), (1024, 4096, 128256), (512, 4096, 128256)]
 # (launch, register split (compute, memory) per thread or None for logit_tiles_mgpu's)
 VARIANTS = [(LOGITS_PINGPONG, None), (dataclasses.replace(LOGITS_PINGPONG, parts=4), None),
@@ -88,7 +89,7 @@ def main(out_path=None, shapes=SHAPES, variants=VARIANTS):
             e_ref, p_ref = run_torch()
             emit(dict(impl="fce_torch default", options=name, ms=time_cuda(run_torch)))
             lowering = jax.jit(lambda a, b, c: jt.logit_tiles(a, b, None, c, None, spec=spec, transform=Transform(),
-                                                              precision=None, store=store, cfg=GEMM))
+                                                              precision=None, store=store, cfg=TRITON_LOWERING))
             emit(dict(impl="fce_jax triton lowering", options=name, ms=_time_jax(lambda: lowering(xj, wj, yj))))
             for variant in variants if name != "q pz" else variants[:1]:
                 print(f"=== {n}x{h}x{v}: {_name(variant)}, {name}", flush=True)  # before its ptxas lines

@@ -8,8 +8,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import (GEMM, GEMM_INTERPRETER, GEMM_SHORT, LOGITS_PINGPONG, MOSAIC_PINGPONG_MAX_HIDDEN,
-                              TILE_ROWS, short)
+from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, LOGITS_PINGPONG, TILE_ROWS, short
 from fce_core.rows import safe_targets
 
 from .. import arrays
@@ -156,12 +155,12 @@ def gemm_config(cfg=None, rows=None):
     return GEMM_SHORT if short(rows) else GEMM
 
 
-def pingpong_by_default(x, store, into):
-    """Whether the default launch (no cfg) takes the Mosaic GPU ping-pong kernel, where `pingpong_supports` also
-    holds: on the GPU, for chunks of more than SHORT_ROWS 16-bit rows of at most MOSAIC_PINGPONG_MAX_HIDDEN columns
-    whose tile values are stored (`store`), not into a kept dZ (`into`); the config tells why."""
-    return (not interpret_mode() and store and into is None and jnp.dtype(x.dtype).itemsize == 2
-            and not short(x.shape[0]) and x.shape[1] <= MOSAIC_PINGPONG_MAX_HIDDEN)
+def takes_pingpong(x, store, into, cfg):
+    """Whether the launch `cfg` asks for the Mosaic GPU ping-pong kernel (which runs where `pingpong_supports`
+    also holds): `cfg.mosaic`, or on the GPU rows of 16 bits and at most `cfg.pingpong_max_hidden` columns whose
+    tile values are stored (`store`), not into a kept dZ (`into`); the config tells why."""
+    return cfg.mosaic or (not interpret_mode() and store and into is None and jnp.dtype(x.dtype).itemsize == 2
+                          and x.shape[1] <= cfg.pingpong_max_hidden)
 
 
 def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, into=None, row0=0,
@@ -174,14 +173,13 @@ def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, int
     tile_n) tiles). With `cfg.mosaic` (opt-in) it runs on Mosaic GPU, with the same bits: on the ping-pong
     kernel (LOGITS_PINGPONG, fce_torch's schedule) where `logit_tiles_mgpu.pingpong_supports` says it applies,
     else on the split-tile kernel where `logit_tiles_mgpu.supports` does (`row0_multiple`: what a traced row0 is
-    known to be a multiple of). Without a cfg, the ping-pong kernel where `pingpong_by_default` and
-    `pingpong_supports` say so."""
-    pingpong = cfg is None and pingpong_by_default(x, store, into)
+    known to be a multiple of). Without `cfg.mosaic`, the ping-pong kernel where `takes_pingpong` and
+    `pingpong_supports` say so (GEMM: at H <= 1024)."""
     cfg = gemm_config(cfg, x.shape[0])
     y_safe = safe_targets(arrays, y, w.shape[0])
     places = dict(into=into, out_rows=out_rows, row0=row0, row0_multiple=row0_multiple)
-    if (cfg.mosaic or pingpong) and pingpong_supports(x, w, bias, class_weights, transform, cfg, LOGITS_PINGPONG,
-                                                      has_pz=spec.pz, **places):
+    if takes_pingpong(x, store, into, cfg) and pingpong_supports(x, w, bias, class_weights, transform, cfg,
+                                                                 LOGITS_PINGPONG, has_pz=spec.pz, **places):
         return mosaic_logit_tiles(x, w, y_safe, has_q=spec.q, has_pz=spec.pz, store=store, cfg=cfg, into=into,
                                   row0=row0, out_rows=out_rows, pingpong=LOGITS_PINGPONG)
     if cfg.mosaic and supports(x, w, bias, class_weights, transform, cfg, **places):
