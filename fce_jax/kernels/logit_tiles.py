@@ -157,10 +157,10 @@ def gemm_config(cfg=None, rows=None):
 
 def takes_pingpong(x, store, into, cfg):
     """Whether the launch `cfg` asks for the Mosaic GPU ping-pong kernel (which runs where `pingpong_supports`
-    also holds): `cfg.mosaic`, or on the GPU rows of 16 bits and at most `cfg.pingpong_max_hidden` columns whose
-    tile values are stored (`store`), not into a kept dZ (`into`); the config tells why."""
-    return cfg.mosaic or (not interpret_mode() and store and into is None and jnp.dtype(x.dtype).itemsize == 2
-                          and x.shape[1] <= cfg.pingpong_max_hidden)
+    also holds: 16-bit operands among its rules): `cfg.mosaic`, or on the GPU rows of at most
+    `cfg.pingpong_max_hidden` columns whose tile values are stored (`store`), not into a kept dZ (`into`); the
+    config tells why."""
+    return cfg.mosaic or (not interpret_mode() and store and into is None and x.shape[1] <= cfg.pingpong_max_hidden)
 
 
 def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, into=None, row0=0,

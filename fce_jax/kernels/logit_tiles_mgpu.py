@@ -288,7 +288,7 @@ def _statistics(total, y, c0, vocab, has_q, has_pz, cw, *, parts=1, store_e=None
     amax = zy = None
     sums = []
     for j in range(parts):
-        z, in_v = block(j)
+        z, in_v = block(j)  # again, not kept from the first pass: all blocks kept would be the tile's width again
         number = z == z
         arg = jnp.min(jnp.where(z == lax.broadcast_in_dim(m_t, z.shape, [0]), local, I32_MAX), axis=1)
         arg = jnp.where(arg < width, arg + (c0 + j * width), I32_MAX)  # none equals a NaN max: I32_MAX, as Triton's
