@@ -215,13 +215,14 @@ PAIRWISE_INTERPRETER = PairwiseConfig(block=1 << 20)
 GRAD_SCALE = BlockConfig(block=4096, num_warps=8, max_programs=1024)
 # Not flattened: the flattened loop spilled 952 bytes per thread (sm_90a) until the row sums' pairs became
 # warp shuffles (0 since), and was timed at H = 640 only (tools/fused_kernels.py --logits times it again).
-# The JAX twin takes Mosaic GPU's ping-pong kernel for H <= 1024 (`pingpong_max_hidden`; fce_torch's bits). With its
-# statistics taken block by block it spills 0-24 bytes, and per chunk on the H100 took 0.534 ms against the Triton
-# lowering's 0.643 at (768, 640, 262144), 1.80 against 1.72-1.82 at (2048, 2048, 128256); in the engine fce_jax
-# fwd+bwd went 21.26 / 21.40 -> 20.70 / 20.62 ms at 8192x640, 14.95 / 14.94 -> 14.84 / 14.67 at 8192x896 and
-# 43.85 -> 44.72 at 16384x2048. The loss alone (no tile values) was slower on it at 8192x896 (3.8 -> 4.8 ms), and
-# into a kept dZ (4096x4096) XLA failed at run time (DynamicSliceFusion) (bench/results/nvidia-h100/
-# isolate-twin-profiles/). `python -m bench op --logits-gemm pingpong_max_hidden=0` runs without it.
+# The JAX twin takes Mosaic GPU's ping-pong kernel for H <= 1024 (`pingpong_max_hidden`; fce_torch's bits). Per chunk
+# on the H100, with the target logit only in tiles holding targets and the maxima by max.f32: 0.493 ms against the
+# Triton lowering's 0.639 at (768, 640, 262144), 0.581 against 0.700 at (1280, 896, 151936), 1.862 against 1.800 at
+# (2048, 2048, 128256); fce_jax fwd+bwd 19.79 ms at 8192x640 and 13.63 at 8192x896, 21.29 and 14.70 without it
+# (bench/results/nvidia-h100/mosaic-logits-epilogue/). Without the tile values stored it was slower at
+# (1280, 896, 151936) (0.625 against 0.604) and faster at (768, 640, 262144) (0.383 against 0.507), so the loss alone
+# keeps the Triton lowering; so do H = 2048 and a kept dZ (`into`: not timed since XLA's dynamic-slice fusion stopped
+# failing on it). `python -m bench op --logits-gemm pingpong_max_hidden=0` runs without it.
 GEMM = GemmConfig(pingpong_max_hidden=1024)
 # The launches for a chunk of at most SHORT_ROWS rows (256 rows in one chunk: a memory-bound logits GEMM and dW
 # of K = 256): the logits GEMM in 4 stages (both twins), the JAX twin's Mosaic GPU dW with its compute warpgroups

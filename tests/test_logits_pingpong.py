@@ -147,6 +147,40 @@ def test_jax_pingpong_kernel(name):
         assert np.allclose(as_float64(e), e64.view(n, -1)[:, :v].numpy(), rtol=2 ** -8, atol=1e-6)
 
 
+def test_jax_pingpong_kernel_nan():
+    """NaN in the logits, as Triton's `tl.max` takes them on the GPU (fce_torch's bits there: tools/mosaic_logits.py):
+    a tile row's max and first argmax ignore NaN, a row of NaN alone has the max NaN and no argmax (I32_MAX); a
+    NaN target logit is -inf; both kernels alike."""
+    from fce_jax.kernels import logit_tiles as jt
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+    from helpers import to_jax
+
+    n, v = 72, 320
+    x, w, y = _exact_inputs(n, v, seed=11)
+    x[7], w[130], y[8], y[9] = math.nan, math.nan, 130, 131  # row 7 all NaN; column 130 NaN, row 8's target
+    xj, wj = to_jax(x), to_jax(w)
+    y_safe = jt.safe_targets(jt.arrays, to_jax(y.to(torch.int32)), v)
+    parts = jm.mosaic_logit_tiles(xj, wj, y_safe, has_q=False, has_pz=False, store=True, cfg=PP_TILES,
+                                  pingpong=PP_INTERPRETER)[1]
+    split = jm.mosaic_logit_tiles(xj, wj, y_safe, has_q=False, has_pz=False, store=True,
+                                  cfg=dataclasses.replace(GEMM_MOSAIC_INTERPRETER, tile_n=PP_TILES.tile_n))[1]
+    n_tiles = -(-v // 128)
+    z = torch.full((n, n_tiles * 128), -math.inf, dtype=torch.float64)
+    z[:, :v] = x.double() @ w.double().T
+    tiles = z.view(n, n_tiles, 128)
+    nan_low = dict(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    m_t = torch.where(tiles.isnan().all(dim=2), math.nan, tiles.nan_to_num(**nan_low).amax(dim=2))
+    at_max = tiles == m_t[..., None]  # the first such column: past V too, in a tile row of NaN and -inf past V
+    arg = torch.where(at_max.any(dim=2), at_max.int().argmax(dim=2) + 128 * torch.arange(n_tiles), jm.I32_MAX)
+    zy = z.gather(1, torch.where((y >= 0) & (y < v), y, 0)[:, None])[:, 0].nan_to_num(**nan_low)
+    for got in (parts, split):
+        assert np.array_equal(np.asarray(got["m"]), m_t.float().numpy(), equal_nan=True)
+        assert np.array_equal(np.asarray(got["amax"]), arg.numpy())
+        assert np.array_equal(np.asarray(got["zy"]).max(axis=1), zy.float().numpy())
+    m = np.asarray(parts["m"])  # row 7's last tile: NaN in V, -inf past it
+    assert np.isnan(m[7, :2]).all() and m[7, 2] == -math.inf and np.isfinite(m[8, 1])
+
+
 def test_jax_pingpong_kernel_into_rows():
     """The ping-pong kernel's tile values into rows [row0, row0 + n) of a larger array from a traced row0, as
     the engine's kept dZ takes them: the rows outside untouched, the same values and partials as alone."""

@@ -2,7 +2,8 @@
 `pingpong=`) against fce_torch's (the Gluon ping-pong kernel where it applies, the same bits as its Triton
 kernel) and the JAX twin's kernel on Pallas' Triton lowering, per chunk: bits of e and of every partial against
 fce_torch's, and times, over launch variants of LOGITS_PINGPONG and of the blocks' register split, and over the
-options that the kernel takes (the loss's statistics; q and pz; no e stored). On the same GPU tensors (DLPack);
+options that the kernel takes (the loss's statistics; q and pz; no e stored); at the first shape also the bits
+with NaN in the logits (`_nan_bits`). On the same GPU tensors (DLPack);
 with MOSAIC_GPU_DUMP_PTXAS=1 each variant's ptxas report follows its "===" line.
 
     python tools/mosaic_logits.py [OUT.json [N,H,V ...]]   # GPU only
@@ -73,6 +74,21 @@ def _time_jax(fn, reps=20, rounds=3):
     return best
 
 
+def _nan_bits(x, w, y, variant):
+    """The bits of the kernel (launch `variant`) against fce_torch's on logits with NaN: a row of x NaN (every
+    logit of the row), a row of w NaN (a column in every row), one row's target there. Untimed."""
+    x, w, y = x.clone(), w.clone(), y.clone()
+    x[10], w[17], y[11] = float("nan"), float("nan"), 17
+    e_ref, p_ref = tt.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(), precision="ieee")
+    xj, wj, yj = (jax.dlpack.from_dlpack(t) for t in (x, w, y.to(torch.int32)))
+    with _registers(variant[1]):
+        e, parts = jm.mosaic_logit_tiles(xj, wj, jt.safe_targets(jt.arrays, yj, w.shape[0]), has_q=False,
+                                         has_pz=False, store=True, cfg=GEMM, pingpong=variant[0])
+    bits = {k: bits_equal(torch.from_dlpack(parts[k]), p_ref[k]) for k in p_ref}
+    bits["e"] = bits_equal(torch.from_dlpack(e), e_ref)
+    return dict(impl=_name(variant), options="loss, NaN", bits=bits)
+
+
 def main(out_path=None, shapes=SHAPES, variants=VARIANTS):
     print(f"jax {jax.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows = []
@@ -111,6 +127,8 @@ def main(out_path=None, shapes=SHAPES, variants=VARIANTS):
                     traceback.print_exc()
                 emit(row)
             del e_ref, p_ref
+        if (n, h, v) == shapes[0]:
+            emit(_nan_bits(x, w, y, variants[0]))
         del x, w, y, xj, wj, yj
         torch.cuda.empty_cache()
     return report(rows, out_path)

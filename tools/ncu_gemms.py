@@ -12,8 +12,12 @@ NVTX, `--launch-count 12`: JAX launches from its own threads). K is the chunk's 
 - gluon: fce_torch's dW written, first chunk and accumulation, then tools/gluon_dw.py's first chunk and
   accumulation (256x128x32, 5 stages);
 - gluon-il: fce_torch's dW written, the warp-specialized prototype's first chunk (256x128x32, 5 stages), the
-  interleaved epilogue's first chunk and accumulation (128x256x32, 4 stages).
-A development tool (GPU only); results in bench/results/nvidia-h100/dw-epilogue/.
+  interleaved epilogue's first chunk and accumulation (128x256x32, 4 stages);
+- logits: the twins' ping-pong logits GEMMs with the loss's statistics and tile values stored, fce_torch's
+  (Gluon, `_logit_tiles_pp_kernel`) and the JAX twin's (Mosaic GPU, `_pingpong_kernel_mosaic_gpu_kernel`); with
+  `-k regex:"_logit_tiles_pp|_pingpong_kernel_mosaic" --launch-count 2 --set full` and then
+  `ncu -i REPORT --page source --csv --print-source sass > SASS.csv`, `python tools/ncu_sass.py SASS.csv`.
+A development tool (GPU only); results in bench/results/nvidia-h100/dw-epilogue/ and mosaic-logits-epilogue/.
 """
 import dataclasses
 import os
@@ -41,6 +45,8 @@ def _calls(k, h, v, which):
                 lambda: torch.mm(x, w.t(), out_dtype=torch.float32),
                 lambda: tt.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(),
                                        precision="ieee")]
+    if which == "logits":
+        return _logits_calls(x, k, h, v, g)
     if which == "jax":
         import jax
         from fce_core.config import GRAD_GEMM_MOSAIC
@@ -63,6 +69,24 @@ def _calls(k, h, v, which):
     return [lambda: tg.dw_gemm(dz, x, torch.bfloat16), lambda: tg.dw_first(dz, x, torch.bfloat16),
             lambda: tg.dw_accumulate(dz, x, pair), lambda: gd.dw_pair(dz, x, first=True, **kw),
             lambda: gd.dw_pair(dz, x, *gluon_pair, **kw)]
+
+
+def _logits_calls(x, k, h, v, g):
+    import jax
+    from fce_core.config import GEMM, LOGITS_PINGPONG
+    from fce_core.heads import StatsSpec
+    from fce_core.options import Transform
+    from fce_jax.kernels import logit_tiles as jt
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+    from fce_torch.kernels import logit_tiles as tt
+    w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
+    y = torch.randint(0, v, (k,), device="cuda", generator=g)
+    xj, wj = jax.dlpack.from_dlpack(x), jax.dlpack.from_dlpack(w)
+    y_safe = jt.safe_targets(jt.arrays, jax.dlpack.from_dlpack(y.to(torch.int32)), v)
+    mosaic = jax.jit(lambda a, b, c: jm.mosaic_logit_tiles(a, b, c, has_q=False, has_pz=False, store=True, cfg=GEMM,
+                                                           pingpong=LOGITS_PINGPONG))
+    return [lambda: tt.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(), precision="ieee"),
+            lambda: jax.block_until_ready(mosaic(xj, wj, y_safe))]
 
 
 def main():

@@ -1,15 +1,17 @@
 """The fused engine's logits GEMM with its statistics epilogue (logit_tiles.py) on Pallas Mosaic GPU, for
-16-bit operands: TMA loads, wgmma, persistent programs. Opt-in (`GemmConfig.mosaic`), and not enabled: on the
-H100 neither kernel is faster than the Triton lowering's at every chunk shape. Two kernels:
+16-bit operands: TMA loads, wgmma, persistent programs. Two kernels:
 
 - `_pingpong_kernel` (raw logits, `pingpong_supports`): fce_torch's ping-pong schedule (logit_tiles_gluon.py) on
   `mgpu.pingpong`, so that one compute warpgroup's epilogue runs under the other's wgmma. fce_torch's bits in e
-  and in every partial but pz on the H100; per chunk 0.57 against the Triton lowering's 0.64 ms at
-  768x640x262144, 5-29% slower at H >= 2048 (bench/results/nvidia-h100/mosaic-logits-pingpong/);
+  and in every partial but pz on the H100; per chunk 0.493 against the Triton lowering's 0.639 ms at
+  768x640x262144, 0.581 against 0.700 at 1280x896x151936, 3% slower at 2048x2048x128256
+  (bench/results/nvidia-h100/mosaic-logits-epilogue/). The JAX twin's default where `logit_tiles.takes_pingpong`
+  says so (GEMM's `pingpong_max_hidden`), else opt-in (`GemmConfig.mosaic`);
 - `_kernel` (a bias, a temperature, class weights too): a warp-specialized pipeline whose two compute
   warpgroups split each 128-row tile and run its epilogue together. Slower than the Triton lowering's kernel on
   the H100, and its bits differ there with q and pz, a temperature with a bias, or class weights
   (bench/results/nvidia-h100/engine-v2-flags/; it hung on the H200 before a race in its epilogue was removed).
+  Opt-in only.
 
 The same bits as the Triton lowering's kernel and fce_torch's by construction, except where LLVM contracts a
 product into a sum (NUMERICS):
@@ -27,9 +29,10 @@ product into a sum (NUMERICS):
   (`fastmath.mul`).
 
 The bias is added in float32 and the temperature divides (`z / T`, an IEEE division, as `fastmath.div`). The
-maxima ignore NaN, as Triton's `tl.max` does (Mosaic GPU's propagates it): a tile row of NaN alone gives -inf
-where Triton gives NaN. Smoothing's class-weighted products `w_c (z − m_t)` (float32 class weights) pass the
-same barrier as the entropy's. A softcap stays on the Triton lowering (`supports`).
+tile maxima ignore NaN as Triton's `tl.max` does, by `max.f32` (`_row_max`; Mosaic GPU's `jnp.max` propagates
+NaN): a tile row of NaN alone gives NaN, as Triton's. The target logit ignores NaN too (-inf where it is NaN).
+Smoothing's class-weighted products `w_c (z − m_t)` (float32 class weights) pass the same barrier as the
+entropy's. A softcap stays on the Triton lowering (`supports`).
 """
 import functools
 
@@ -38,6 +41,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jaxlib.mlir.dialects import arith
 
 from . import mgpu
 from .mgpu import COMPUTE_WGS, MEMORY_REGISTERS
@@ -192,13 +196,13 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _pingpong_kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden, n_tiles, has_q, has_pz,
-                     store, tile_n, parts, cfg, stages_):
+def _pingpong_kernel(x_gmem, w_gmem, y_gmem, hits_gmem, row0_gmem, *out_gmem, n_rows, vocab, hidden, n_tiles, has_q,
+                     has_pz, store, tile_n, parts, cfg, stages_):
     """fce_torch's ping-pong schedule (logit_tiles_gluon.py) on `mgpu.pingpong`: tiles of cfg.tile_m x tile_n,
     row blocks fastest, that the two compute warpgroups take in turns, so that one's epilogue runs under the
     other's wgmma. The epilogue (`_statistics`, in `parts` column blocks) stages each block's e in shared memory
     of its owner's for a TMA store, and stores the partials' column of [rows, T]. y comes padded to whole row
-    blocks."""
+    blocks; hits_gmem [row blocks, T] says where a block's rows have targets (`_target_tiles`)."""
     bm, bn, bk = cfg.tile_m, tile_n, cfg.tile_k
     e_gmem, *parts_gmem = out_gmem if store else (None, *out_gmem)
     n_m, steps = pl.cdiv(n_rows, bm), pl.cdiv(hidden, bk)
@@ -239,7 +243,7 @@ def _pingpong_kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab
                 plgpu.copy_smem_to_gmem(e_smem.at[wg], e_gmem.at[pl.ds(out, bm), pl.ds(c0 + j * width, width)])
 
             stats = _statistics(acc[...], _rows(y_gmem, r0, bm), c0, vocab, has_q, has_pz, None, parts=parts,
-                                store_e=store_e if store else None)
+                                store_e=store_e if store else None, targets=hits_gmem[lax.div(r0, bm), t] != 0)
             for p, v in zip(parts_gmem, stats):  # a column of [rows, T]: the rows' own stores
                 p.at[pl.ds(r0, bm), t][...] = v
 
@@ -249,6 +253,13 @@ def _pingpong_kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *out_gmem, n_rows, vocab
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _target_tiles(y_safe, rows, tile_n, n_tiles):
+    """[len(y_safe) / rows, n_tiles] int32: 1 where a block of `rows` rows has a row whose target (in [0, V)) is in
+    the tile of tile_n columns, else 0."""
+    blocks = jnp.arange(y_safe.shape[0]) // rows
+    return jnp.zeros((y_safe.shape[0] // rows, n_tiles), jnp.int32).at[blocks, y_safe // tile_n].set(1)
+
+
 def _rows(v_gmem, r0, rows):
     """v_gmem[r0 : r0 + rows] in registers, laid out as the rows of a WGMMA tile (the interpreter: plain)."""
     if interpret_mode():
@@ -256,23 +267,45 @@ def _rows(v_gmem, r0, rows):
     return plgpu.load(v_gmem, pl.ds(r0, rows), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
 
-def _statistics(total, y, c0, vocab, has_q, has_pz, cw, *, parts=1, store_e=None):
+def _row_max(v):
+    """The max of each row of v [rows, W] (WGMMA layout) ignoring NaN, as Triton's `tl.max` (a row of NaN
+    alone: NaN): on the GPU one `max.f32` a column (maxnum), where `jnp.max` takes `max.NaN.f32` and NaN would
+    first be turned to -inf, a compare and a select a column more."""
+    if interpret_mode():
+        return jnp.where(jnp.all(v != v, axis=1), jnp.nan, jnp.max(jnp.where(v == v, v, -jnp.inf), axis=1))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct((v.shape[0],), v.dtype, plgpu.Layout.WGMMA.reduce(1)))
+    def row_max(_, fragments):
+        return fragments.reduce(arith.maxnumf, 1)
+
+    return row_max(v)
+
+
+def _maxnum(a, b):
+    """max(a, b) but for NaN, which only where both are gives NaN: `_row_max` over two blocks' columns."""
+    return jnp.where(a != a, b, jnp.where(b != b, a, jnp.maximum(a, b)))
+
+
+def _statistics(total, y, c0, vocab, has_q, has_pz, cw, *, parts=1, store_e=None, targets=None):
     """(m, s, amax, zy[, q][, pz]) of one warpgroup's rows of the tile, from its float32 logits `total` (`cw`:
     the columns' class weights, 0 past V, or None). Everything goes over the columns in `parts` blocks, left to
     right, so that no mask or column index of the whole tile's width sits in registers beside the accumulator:
     the max, the first column that holds it and the target's logit take their blocks' max / min / max (exact,
     so the bits of one pass over every column); e and the sums, after the max, each pair of blocks' sums added as
     `tree_sum` adds the halves of a width: the bits of one tree over every column (fce_torch's ping-pong kernel
-    takes the same blocks). `store_e(j, e)`: block j's e, as it is formed."""
+    takes the same blocks). `store_e(j, e)`: block j's e, as it is formed. `targets` (a traced bool, or None
+    for always): whether any row's target is in the tile; without one the target logits are -inf, as the max over
+    no column gives them, and their compares and selects are skipped."""
     rows, width = total.shape[0], total.shape[1] // parts
     layout = None if interpret_mode() else plgpu.Layout.WGMMA
     local = (lax.broadcasted_iota(jnp.int32, (rows, width), 1) if layout is None else
              plgpu.broadcasted_iota(jnp.int32, (rows, width), 1, layout=layout))
-    # The column mask is skipped in every tile but a partial last one (a predicate of scalars). The target's
-    # column is looked for in every tile: skipping tiles without targets needs a reduction over the warpgroup's
-    # rows to one scalar, whose cross-warp scratch Mosaic GPU places once per kernel, shared by both compute
-    # warpgroups with only a warpgroup barrier around it (a race: a warp could read the other warpgroup's
-    # partials and drop its rows' target logit).
+    # The column mask is skipped in every tile but a partial last one (a predicate of scalars). Which tiles hold
+    # targets comes from before the kernel (`targets`): found from the tile's own rows, it would need a reduction
+    # over the warpgroup's rows to one scalar, whose cross-warp scratch Mosaic GPU places once per kernel, shared
+    # by both compute warpgroups with only a warpgroup barrier around it (a race: a warp could read the other
+    # warpgroup's partials and drop its rows' target logit).
     partial = c0 + total.shape[1] > vocab
 
     def block(j):  # block j's logits (-inf past V) and the columns of it inside V
@@ -283,18 +316,22 @@ def _statistics(total, y, c0, vocab, has_q, has_pz, cw, *, parts=1, store_e=None
     m_t = None
     for j in range(parts):
         z, _ = block(j)
-        m_j = jnp.max(jnp.where(z == z, z, -jnp.inf), axis=1)
-        m_t = m_j if m_t is None else jnp.maximum(m_t, m_j)
+        m_j = _row_max(z)
+        m_t = m_j if m_t is None else _maxnum(m_t, m_j)
     amax = zy = None
     sums = []
     for j in range(parts):
         z, in_v = block(j)  # again, not kept from the first pass: all blocks kept would be the tile's width again
-        number = z == z
         arg = jnp.min(jnp.where(z == lax.broadcast_in_dim(m_t, z.shape, [0]), local, I32_MAX), axis=1)
         arg = jnp.where(arg < width, arg + (c0 + j * width), I32_MAX)  # none equals a NaN max: I32_MAX, as Triton's
         amax = arg if amax is None else jnp.minimum(amax, arg)
-        at_y = local == lax.broadcast_in_dim(y - (c0 + j * width), z.shape, [0])
-        zy_j = jnp.max(jnp.where(at_y & number, z, -jnp.inf), axis=1)
+
+        def target_logits(z=z, j=j):
+            at_y = local == lax.broadcast_in_dim(y - (c0 + j * width), z.shape, [0])
+            return jnp.max(jnp.where(at_y & (z == z), z, -jnp.inf), axis=1)
+
+        zy_j = target_logits() if targets is None else lax.cond(
+            targets, target_logits, lambda: jnp.full(m_t.shape, -jnp.inf, F32))
         zy = zy_j if zy is None else jnp.maximum(zy, zy_j)
         d = z - lax.broadcast_in_dim(m_t, z.shape, [0])
         e = jnp.exp2(d * LOG2E)
@@ -328,6 +365,7 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, cl
     [out_rows or n, V] array, or None without `store`; {m, s, amax, zy[, q][, pz]} of [n, T]). With `pingpong`
     (a PingPongConfig, where `pingpong_supports` holds) the ping-pong kernel on its launch, cfg.tile_n wide."""
     columns = [c for c in (bias, class_weights if has_q else None) if c is not None]  # only q reads the weights
+    targets = [y_safe]
     n, hidden = x.shape
     vocab = w.shape[0]
     n_tiles = pl.cdiv(vocab, cfg.tile_n)
@@ -351,11 +389,16 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, cl
         body = functools.partial(_pingpong_kernel, tile_n=cfg.tile_n, parts=blocks, cfg=pingpong, **flags,
                                  stages_=mgpu.stages(pingpong, per_stage, e_blocks))
         y_safe = jnp.pad(y_safe, (0, padded - n))  # the targets of whole row blocks, read from global memory
+        targets = [y_safe, _target_tiles(y_safe, tile_m, cfg.tile_n, n_tiles)]
     new = [] if not store or into is not None else [jax.ShapeDtypeStruct((out_rows or n, vocab), x.dtype)]
     launch = mgpu.kernel(body, programs=mgpu.programs(pl.cdiv(n, tile_m) * n_tiles), compute_threads=COMPUTE_WGS,
                          approx_math=not interpret_mode(),  # ex2.approx.ftz.f32 on the GPU; XLA's exp2 here
                          out_type=tuple(typed(new + parts, (x, w))))
-    args = [x, w, y_safe, jnp.asarray(row0, jnp.int32), *columns]
+    # a traced row0 passes a barrier: XLA's dynamic-slice fusion would take the chunk's offset, which the
+    # operands' slices share, into the kernel's fusion, and then refuse it as the kernel's operand
+    row0 = lax.optimization_barrier(jnp.asarray(row0, jnp.int32)) if isinstance(row0, jax.Array) else \
+        jnp.asarray(row0, jnp.int32)
+    args = [x, w, *targets, row0, *columns]
     if store and into is not None:
         (e_ref,) = mgpu.in_place([into])
         out = launch(*args, e_ref)
