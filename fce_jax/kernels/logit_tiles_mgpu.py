@@ -272,7 +272,7 @@ def _row_max(v):
     alone: NaN): on the GPU one `max.f32` a column (maxnum), where `jnp.max` takes `max.NaN.f32` and NaN would
     first be turned to -inf, a compare and a select a column more."""
     if interpret_mode():
-        return jnp.where(jnp.all(v != v, axis=1), jnp.nan, jnp.max(jnp.where(v == v, v, -jnp.inf), axis=1))
+        return jnp.nanmax(v, axis=1)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                        return_type=plgpu.ShapeDtypeStruct((v.shape[0],), v.dtype, plgpu.Layout.WGMMA.reduce(1)))
