@@ -12,6 +12,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # the ranks' kernels: conftest.py's interpreter shortcuts, same bits
+    import triton_interpreter  # noqa: E402
+
+    triton_interpreter.skip_repatching()
+    triton_interpreter.memoize_np_dtypes()
+
 N, H, V = 29, 24, 520
 
 
@@ -31,6 +37,14 @@ def run(rank, size, out_dir, job):
     result = JOBS[job](rank, size)
     np.savez(os.path.join(out_dir, f"{job}-{rank}.npz"), **{k: v.detach().float().numpy() for k, v in
                                                              result.items()})
+
+
+def run_jobs(rank, size, out_dir, jobs):
+    """`run` of each of `jobs` in turn, in one process group: one start of the ranks (torch, fce_torch, and
+    transformers for the FSDP2 jobs: seconds per rank) for them all."""
+    for job in jobs:
+        run(rank, size, out_dir, job)
+        dist.barrier()
 
 
 def _leaves(*tensors):

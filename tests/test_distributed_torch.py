@@ -19,13 +19,30 @@ def spawn(job, size, tmp_path):
     return {r: dict(np.load(os.path.join(tmp_path, f"{job}-{r}.npz"))) for r in range(size)}
 
 
+# The jobs on two ranks, run one after the other by one spawn of the ranks (`two_ranks`); the refused one last.
+TWO_RANK_JOBS = ("vocab_parallel", "vocab_parallel_fused", "normalizer", "fsdp_head_unit", "fsdp_root",
+                 "fsdp_grouped_tied", "fsdp_tied_head_unit_refused")
+
+
 @pytest.fixture(scope="module")
-def vocab_parallel_run(tmp_path_factory):
-    """The vocab_parallel job's results per rank count (and engine), each spawned once for the module's tests."""
+def two_ranks(tmp_path_factory):
+    """{job: {rank: {name: array}}} of every job of TWO_RANK_JOBS, spawned once for the module's tests (a
+    spawn per job started torch on every rank anew: most of a small job's time)."""
+    path = tmp_path_factory.mktemp("two_ranks")
+    torch_ranks(dist_torch.run_jobs, 2, path, TWO_RANK_JOBS)
+    return {job: {r: dict(np.load(os.path.join(path, f"{job}-{r}.npz"))) for r in range(2)} for job in TWO_RANK_JOBS}
+
+
+@pytest.fixture(scope="module")
+def vocab_parallel_run(tmp_path_factory, two_ranks):
+    """The vocab_parallel job's results per rank count (and engine), each spawned once for the module's tests
+    (on 2 ranks by `two_ranks`)."""
     runs = {}
 
     def get(size, engine="library"):
         job = "vocab_parallel" if engine == "library" else f"vocab_parallel_{engine}"
+        if size == 2:
+            return two_ranks[job]
         if (size, job) not in runs:
             runs[size, job] = spawn(job, size, tmp_path_factory.mktemp(f"{job}_{size}"))
         return runs[size, job]
@@ -89,8 +106,8 @@ def test_dtensor_weight_uneven_shards(tmp_path):
     _check("dw", res[0]["dw"], ref["dw"], grad_tol)
 
 
-def test_normalizer_gives_the_global_mean(tmp_path):
-    res = spawn("normalizer", 2, tmp_path)
+def test_normalizer_gives_the_global_mean(two_ranks):
+    res = two_ranks["normalizer"]
     inp = dist_torch.inputs()
     ref = flce_reference(inp["x"], inp["w"], inp["y"])
     loss_tol, grad_tol = tolerances("float32")
@@ -99,10 +116,10 @@ def test_normalizer_gives_the_global_mean(tmp_path):
 
 
 @pytest.mark.parametrize("job", ["fsdp_head_unit", "fsdp_root", "fsdp_grouped_tied"])
-def test_fsdp2_with_the_hf_hook(job, tmp_path):
+def test_fsdp2_with_the_hf_hook(job, two_ranks):
     """FSDP2 whatever the wrapping of lm_head: the patched model's loss and every parameter's gradient equal
     the plain unsharded model's (float32)."""
-    res = spawn(job, 2, tmp_path)
+    res = two_ranks[job]
     for r in range(2):
         np.testing.assert_allclose(res[r]["loss"], res[r]["ref_loss"], rtol=1e-5)
         for name in (k for k in res[r] if k.startswith("ref.")):
@@ -110,6 +127,6 @@ def test_fsdp2_with_the_hf_hook(job, tmp_path):
             assert rel_err(got, res[r][name]) <= 1e-4, name
 
 
-def test_fsdp2_tied_head_as_its_own_unit_is_refused(tmp_path):
-    res = spawn("fsdp_tied_head_unit_refused", 2, tmp_path)
+def test_fsdp2_tied_head_as_its_own_unit_is_refused(two_ranks):
+    res = two_ranks["fsdp_tied_head_unit_refused"]
     assert all(res[r]["refused"] == 1.0 for r in range(2))

@@ -4,12 +4,14 @@ accumulator spilled kilobytes per thread, bench/results/nvidia-h200/epilogue-reg
 must compile where its launch specializes; so must the logits GEMM's Gluon ping-pong kernel
 (fce_torch/kernels/logit_tiles_gluon.py), the Gluon kernel of dW's (hi, lo) accumulation
 (fce_torch/kernels/grad_gemms_gluon.py) and the Gluon prototype of the (hi, lo) accumulation
-(tools/gluon_dw.py). Compiled in a subprocess: this process runs the kernels in the Triton interpreter."""
+(tools/gluon_dw.py). Compiled in a subprocess (one for all the cases): this process runs the kernels in the Triton
+interpreter."""
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import triton
@@ -42,23 +44,23 @@ def _spilled(kernel, signature, constants, warps=8, stages=3, aligned=()):
     (2, False, 256, 128, "bf16", True), (2, False, 128, 256, "bf16", True), (2, True, 128, 256, "bf16", True),
     (0, False, 128, 256, "bf16", False),
     (0, False, 256, 128, "bf16", True), (1, False, 128, 256, "fp32", True)])
-def test_grad_gemm_epilogue_does_not_spill(mode, first, bm, bn, c_dt, a_t):
-    assert _in_compiler("grad", mode, first, bm, bn, c_dt, a_t) == 0
+def test_grad_gemm_epilogue_does_not_spill(mode, first, bm, bn, c_dt, a_t, in_compiler):
+    assert in_compiler("grad", mode, first, bm, bn, c_dt, a_t) == 0
 
 
 @pytest.mark.parametrize("a_t", [False, True])
-def test_grad_gemm_forming_dz_on_load_does_not_spill(a_t):
+def test_grad_gemm_forming_dz_on_load_does_not_spill(a_t, in_compiler):
     """dX and dW written with dZ formed on the operand load, on their launch (GRAD_GEMM_TORCH_ON_LOAD: 128x256,
     not flattened): the tile values' transform fits in the registers beside the accumulator."""
-    assert _in_compiler("grad", 0, False, 128, 256, "bf16", a_t, False, False, True) == 0
+    assert in_compiler("grad", 0, False, 128, 256, "bf16", a_t, False, False, True) == 0
 
 
 @pytest.mark.parametrize("sliced", [False, True])
-def test_grad_gemm_loops_flatten_where_k_is_unsliced(sliced):
+def test_grad_gemm_loops_flatten_where_k_is_unsliced(sliced, in_compiler):
     """FLATTEN pipelines the tile loop and its K loop as one (the next tile's loads overlap this tile's
     epilogue: dW of 256 rows 0.71 -> 0.54 ms on the H200) only where the K loop's bounds are the same for
     every item: with them taken from the item's slice, Triton left the loops nested and the flag did nothing."""
-    assert _in_compiler("grad_loop_depth", sliced) == (2 if sliced else 1)
+    assert in_compiler("grad_loop_depth", sliced) == (2 if sliced else 1)
 
 
 def _grad_loop_depth(sliced):
@@ -98,25 +100,25 @@ def _grad(mode, first, bm, bn, c_dt, a_t, sliced=False, compiled=False, on_load=
 
 @pytest.mark.parametrize("store, q, flatten", [(True, False, False), (False, False, False), (True, True, False),
                                                (True, False, True), (True, True, True)])
-def test_logits_gemm_epilogue_does_not_spill(store, q, flatten):
+def test_logits_gemm_epilogue_does_not_spill(store, q, flatten, in_compiler):
     """The statistics epilogue, plain and with smoothing's q and the entropy's pz (taken a half tile at a time),
     in the default launch and flattened."""
-    assert _in_compiler("logits", store, q, False, flatten) == 0
+    assert in_compiler("logits", store, q, False, flatten) == 0
 
 
-def test_logits_gemm_epilogue_sums_rows_in_registers():
+def test_logits_gemm_epilogue_sums_rows_in_registers(in_compiler):
     """The row sums' pairwise tree in the wgmma layout: its pairs four and eight columns wide lie in other lanes
     of the warp, and warp shuffles add them. Added as splits, each sum's tile went through shared memory in 32
     rounds of two barriers (this kernel, with q and pz: 211 barriers and 96 vector loads from shared memory;
     27 and 0 now)."""
-    barriers, shared_loads = _in_compiler("logits_epilogue")
+    barriers, shared_loads = in_compiler("logits_epilogue")
     assert shared_loads == 0 and barriers < 32
 
 
-def test_row_sum_adds_each_pair_alone():
+def test_row_sum_adds_each_pair_alone(in_compiler):
     """`sums.row_sum` on the GPU sums each pair as a reduction over an axis of two: its PTX adds two registers
     at each step and nothing else (no identity, which would turn a pair of -0 into +0, no constant)."""
-    adds, constants = _in_compiler("row_sum_adds")
+    adds, constants = in_compiler("row_sum_adds")
     assert adds > 0 and constants == 0
 
 
@@ -152,10 +154,10 @@ def _logits(store, q=False, compiled=False, flatten=False, stages=3):
     return (_compiled if compiled else _spilled)(logit_tiles._logit_tiles_kernel.fn, sig, consts, stages=stages)
 
 
-def test_logits_gemm_for_few_rows_fits():
+def test_logits_gemm_for_few_rows_fits(in_compiler):
     """GEMM_SHORT's launch (a chunk of at most SHORT_ROWS rows, 4 stages): no spills, and its shared memory within
     the 227 KiB of a block on sm_90."""
-    spilled, shared = _in_compiler("logits_short")
+    spilled, shared = in_compiler("logits_short")
     assert spilled == 0 and 200 * 1024 < shared <= 227 * 1024
 
 
@@ -166,11 +168,11 @@ def _logits_short():
 
 
 @pytest.mark.parametrize("zy_tiles, q, pz", [(True, False, False), (False, True, True)])
-def test_merge_tiles_compiles(zy_tiles, q, pz):
+def test_merge_tiles_compiles(zy_tiles, q, pz, in_compiler):
     """The tile merge with T = V / 256 a multiple of 16 (V = 262144), which the launch specializes on: a
     reduction accumulated in its loop failed Triton 3.6's thread-locality pass there (on the H200). No spills
     with its sums' block totals (sm_90a)."""
-    assert _in_compiler("merge", zy_tiles, q, pz) == 0
+    assert in_compiler("merge", zy_tiles, q, pz) == 0
 
 
 def _merge(zy_tiles, q, pz):
@@ -184,16 +186,69 @@ def _merge(zy_tiles, q, pz):
                     aligned=list(sig)[:16])
 
 
-def _in_compiler(kind, *args):
-    """What the case's function `_kind` returns (bytes spilled per thread, or counts in its PTX), compiled with
-    the interpreter off."""
-    code = (f"import json, sys; from tests import test_sm90_registers as t; "
-            f"print(json.dumps(t._{kind}(*json.loads(sys.argv[1]))))")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+# The compiler process's loop: it answers each line of stdin, [kind, args], with a line of stdout that starts with
+# _MARK (the compilers may print too), until stdin closes.
+_MARK = "fce-sm90-case "
+_SERVE = f"""import json, sys, traceback
+from tests import test_sm90_registers as t
+for line in sys.stdin:
+    kind, args = json.loads(line)
+    try:
+        reply = {{"value": getattr(t, "_" + kind)(*args)}}
+    except Exception:
+        reply = {{"error": traceback.format_exc()}}
+    print({_MARK!r} + json.dumps(reply), flush=True)
+"""
+
+
+class _Compiler:
+    """What a case's function `_kind` returns (bytes spilled per thread, or counts in its PTX), compiled with the
+    interpreter off, in one process for the module's cases, each case's error its own (a process per case spent
+    most of its 5 s starting torch and triton). A process that ended in an earlier case is started anew."""
+
+    def __init__(self):
+        self.proc = self.stderr = None
+
+    def __call__(self, kind, *args):
+        if self.proc is not None and self.proc.poll() is not None:
+            self.close()
+        if self.proc is None:
+            self.stderr = tempfile.TemporaryFile("w+")
+            self.proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                         env={**os.environ, "TRITON_INTERPRET": "0"},
+                                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        try:
+            self.proc.stdin.write(json.dumps([kind, args]) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it ended: its stderr below
+        for line in self.proc.stdout:
+            if line.startswith(_MARK):
+                reply = json.loads(line[len(_MARK):])
+                assert "error" not in reply, reply["error"][-3000:]
+                return reply["value"]
+        self.stderr.seek(0)
+        raise AssertionError(f"the compiler process ended (exit {self.proc.wait()}):\n{self.stderr.read()[-3000:]}")
+
+    def close(self):
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
+        self.proc = self.stderr = None
+
+
+@pytest.fixture(scope="module")
+def in_compiler():
+    compiler = _Compiler()
+    yield compiler
+    compiler.close()
 
 
 def _gluon_dw(schedule, first):
@@ -214,10 +269,10 @@ def _gluon_dw(schedule, first):
 @pytest.mark.parametrize("schedule, first", [("plain", False), ("ws", False), ("ws", True), ("pingpong", False),
                                              ("pingpong", True), ("ep", False), ("ep", True), ("il", False),
                                              ("il", True), ("tx", False), ("tx", True)])
-def test_gluon_dw_prototype_compiles_without_spills(schedule, first):
+def test_gluon_dw_prototype_compiles_without_spills(schedule, first, in_compiler):
     """The Gluon prototype of the (hi, lo) accumulation (a development tool, bench/results/nvidia-h100/dw-epilogue/)
     compiles for sm_90a with this Triton, within the block's shared memory and without spilling."""
-    shared, _, spilled = _in_compiler("gluon_dw", schedule, first)
+    shared, _, spilled = in_compiler("gluon_dw", schedule, first)
     assert shared <= 232448 and spilled == 0
 
 
@@ -232,12 +287,12 @@ def _gluon_logits(options):
 
 
 @pytest.mark.parametrize("options", ["loss", "q pz", "no store"])
-def test_logits_pingpong_compiles_without_spills(options):
+def test_logits_pingpong_compiles_without_spills(options, in_compiler):
     """fce_torch's logits GEMM on sm_90 (the ping-pong kernel) compiles within the block's shared memory and,
     for the loss's partials, smoothing's and entropy's, and without e stored, without spilling: ptxas holds each
     partition to 168 registers, and the epilogue's column blocks (LOGITS_PINGPONG.parts, parts_q_pz) are sized
     for that. With class weights it spills 32 bytes a thread (measured faster than the Triton kernel anyway)."""
-    shared, regs, spilled = _in_compiler("gluon_logits", options)
+    shared, regs, spilled = in_compiler("gluon_logits", options)
     assert shared <= 232448 and regs <= 168 and spilled == 0
 
 
@@ -251,9 +306,9 @@ def _gluon_grads(mode):
 
 
 @pytest.mark.parametrize("mode", ["dx", "dx planes", "dw", "first", "acc", "last"])
-def test_gluon_grads_compile_without_spills(mode):
+def test_gluon_grads_compile_without_spills(mode, in_compiler):
     """fce_torch's Gluon kernel of the gradient GEMMs (dX into its rows or float32 planes, dW written, the (hi, lo)
     accumulation's first chunk, an accumulation and the last one) compiles within the block's shared memory and
     without spilling under the 168 registers a thread that ptxas holds each partition to."""
-    shared, regs, spilled = _in_compiler("gluon_grads", mode)
+    shared, regs, spilled = in_compiler("gluon_grads", mode)
     assert shared <= 232448 and regs <= 168 and spilled == 0

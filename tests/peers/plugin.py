@@ -5,7 +5,8 @@ on the test file's name, the test function and its parameters compared as ``str(
 only turns that very failure, raised inside the peer's named reference function, into the skip) and the
 default path of the results file (``$PEERS_RESULTS`` overrides it: one per peer file). Into that file it
 writes every test's outcome (passed / failed / skipped / error, with the skip reason or the failure's first
-line) and the collection errors when the session ends.
+line) and the collection errors when the session ends. On a CPU run it installs fce's Triton interpreter
+shortcuts (``interpreter_shortcuts``: tests/triton_interpreter.py, the same execution) before any test runs.
 """
 import json
 import os
@@ -15,6 +16,21 @@ import pytest
 _HERE = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(_HERE, "peers_run.json")) as _f:
     _RUN = json.load(_f)
+
+
+def _interpreter_shortcuts(path):
+    """tests/triton_interpreter.py's shortcuts (as fce's conftest.py installs them): the same execution."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fce_triton_interpreter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.skip_repatching()
+    module.memoize_np_dtypes()
+
+
+if _RUN.get("interpreter_shortcuts") and os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_shortcuts(_RUN["interpreter_shortcuts"])
 
 _results = {}
 _collection_errors = []
