@@ -219,8 +219,10 @@ GRAD_SCALE = BlockConfig(block=4096, num_warps=8, max_programs=1024)
 # on the H100, with the target logit only in tiles holding targets and the maxima by max.f32: 0.493 ms against the
 # Triton lowering's 0.639 at (768, 640, 262144), 0.581 against 0.700 at (1280, 896, 151936), 1.862 against 1.800 at
 # (2048, 2048, 128256); fce_jax fwd+bwd 19.79 ms at 8192x640 and 13.63 at 8192x896, 21.29 and 14.70 without it
-# (bench/results/nvidia-h100/mosaic-logits-epilogue/). Without the tile values stored it was slower at
-# (1280, 896, 151936) (0.625 against 0.604) and faster at (768, 640, 262144) (0.383 against 0.507), so the loss alone
+# (bench/results/nvidia-h100/mosaic-logits-epilogue/). Without the tile values stored it was slower per chunk at
+# (1280, 896, 151936) (0.625 against 0.604) and faster at (768, 640, 262144) (0.383 against 0.507); in the engine, whose
+# loss-alone chunks are larger (7168 rows at 8192x640), the loss alone on it took 5.65-5.75 ms against 5.31-5.55 at
+# 8192x640 and 4.48-4.61 against 3.79-3.95 at 8192x896 (bench/results/nvidia-h100/tables-f05429b/), so the loss alone
 # keeps the Triton lowering; so do H = 2048 and a kept dZ (`into`: not timed since XLA's dynamic-slice fusion stopped
 # failing on it). `python -m bench op --logits-gemm pingpong_max_hidden=0` runs without it.
 GEMM = GemmConfig(pingpong_max_hidden=1024)
