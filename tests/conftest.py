@@ -35,8 +35,7 @@ if not HAS_GPU:
     os.environ["XLA_FLAGS"] = quick_xla.with_flags(os.environ.get("XLA_FLAGS", ""))
     import triton_interpreter  # noqa: E402
 
-    triton_interpreter.skip_repatching()
-    triton_interpreter.memoize_np_dtypes()
+    triton_interpreter.install()
 
 import pytest  # noqa: E402
 

@@ -15,8 +15,7 @@ import torch.distributed as dist  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") == "1":  # the ranks' kernels: conftest.py's interpreter shortcuts, same bits
     import triton_interpreter  # noqa: E402
 
-    triton_interpreter.skip_repatching()
-    triton_interpreter.memoize_np_dtypes()
+    triton_interpreter.install()
 
 N, H, V = 29, 24, 520
 

@@ -53,3 +53,9 @@ def skip_repatching():
 
     patch_lang.skips_repatching = True
     interpreter._patch_lang = patch_lang
+
+
+def install():
+    """Both shortcuts, as the CPU tests' processes take them (conftest.py, the gloo ranks, the peers' pytest)."""
+    skip_repatching()
+    memoize_np_dtypes()

@@ -365,7 +365,6 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, cl
     [out_rows or n, V] array, or None without `store`; {m, s, amax, zy[, q][, pz]} of [n, T]). With `pingpong`
     (a PingPongConfig, where `pingpong_supports` holds) the ping-pong kernel on its launch, cfg.tile_n wide."""
     columns = [c for c in (bias, class_weights if has_q else None) if c is not None]  # only q reads the weights
-    targets = [y_safe]
     n, hidden = x.shape
     vocab = w.shape[0]
     n_tiles = pl.cdiv(vocab, cfg.tile_n)
@@ -376,6 +375,7 @@ def mosaic_logit_tiles(x, w, y_safe, *, has_q, has_pz, store, cfg, bias=None, cl
     itemsize = jnp.dtype(x.dtype).itemsize
     flags = dict(n_rows=n, vocab=vocab, hidden=hidden, n_tiles=n_tiles, has_q=has_q, has_pz=has_pz, store=store)
     if pingpong is None:
+        targets = [y_safe]
         fixed = cfg.tile_m * (cfg.tile_n * itemsize * store + 4) + COMPUTE_WGS * cfg.tile_n * sum(
             jnp.dtype(c.dtype).itemsize for c in columns)  # the tile values, targets and column blocks
         per_stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize

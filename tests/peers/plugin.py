@@ -25,8 +25,7 @@ def _interpreter_shortcuts(path):
     spec = importlib.util.spec_from_file_location("fce_triton_interpreter", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.skip_repatching()
-    module.memoize_np_dtypes()
+    module.install()
 
 
 if _RUN.get("interpreter_shortcuts") and os.environ.get("TRITON_INTERPRET") == "1":
