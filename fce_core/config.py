@@ -223,8 +223,10 @@ GRAD_SCALE = BlockConfig(block=4096, num_warps=8, max_programs=1024)
 # (1280, 896, 151936) (0.625 against 0.604) and faster at (768, 640, 262144) (0.383 against 0.507); in the engine, whose
 # loss-alone chunks are larger (7168 rows at 8192x640), the loss alone on it took 5.65-5.75 ms against 5.31-5.55 at
 # 8192x640 and 4.48-4.61 against 3.79-3.95 at 8192x896 (bench/results/nvidia-h100/tables-f05429b/), so the loss alone
-# keeps the Triton lowering; so do H = 2048 and a kept dZ (`into`: not timed since XLA's dynamic-slice fusion stopped
-# failing on it). `python -m bench op --logits-gemm pingpong_max_hidden=0` runs without it.
+# keeps the Triton lowering; so do H = 2048 (on the H200 1.574 against 1.719 ms per chunk at (2048, 2048, 128256), but
+# fce_jax fwd+bwd at 16384x2048 44.04 against 44.10 ms, bench/results/nvidia-h200/tables-180f068/) and a kept dZ
+# (`into`: not timed since XLA's dynamic-slice fusion stopped failing on it). `python -m bench op --logits-gemm
+# pingpong_max_hidden=0` runs without it.
 GEMM = GemmConfig(pingpong_max_hidden=1024)
 # The launches for a chunk of at most SHORT_ROWS rows (256 rows in one chunk: a memory-bound logits GEMM and dW
 # of K = 256): the logits GEMM in 4 stages (both twins), the JAX twin's Mosaic GPU dW with its compute warpgroups

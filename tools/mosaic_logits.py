@@ -1,9 +1,9 @@
 """The JAX twin's logits GEMM on its Mosaic GPU ping-pong kernel (fce_jax/kernels/logit_tiles_mgpu.py,
 `pingpong=`) against fce_torch's (the Gluon ping-pong kernel where it applies, the same bits as its Triton
 kernel) and the JAX twin's kernel on Pallas' Triton lowering, per chunk: bits of e and of every partial against
-fce_torch's, and times, over launch variants of LOGITS_PINGPONG, of the blocks' register split and of the barrier
-waits, and over the options that the kernel takes (the loss's statistics; q and pz; no e stored); at the first
-shape also the bits with NaN in the logits (`_nan_bits`). On the same GPU tensors (DLPack);
+fce_torch's, and times, over launch variants of LOGITS_PINGPONG and of the blocks' register split, and over the
+options that the kernel takes (the loss's statistics; q and pz; no e stored); at the first shape also the bits
+with NaN in the logits (`_nan_bits`). On the same GPU tensors (DLPack);
 with MOSAIC_GPU_DUMP_PTXAS=1 each variant's ptxas report follows its "===" line.
 
     python tools/mosaic_logits.py [OUT.json [N,H,V ...]]   # GPU only
@@ -35,57 +35,29 @@ from gluon_logits import bits_equal, chunk_inputs, emitter, report, time_cuda
 
 TRITON_LOWERING = dataclasses.replace(GEMM, pingpong_max_hidden=0)  # the JAX twin's kernel on Pallas' Triton lowering
 SHAPES = [(2048, 2048, 128256), (768, 640, 262144), (1280, 896, 151936), (1024, 4096, 128256), (512, 4096, 128256)]
-# (launch, register split (compute, memory) per thread or None for logit_tiles_mgpu's, whether the barrier waits
-# spin as Triton's: `_traced`)
-VARIANTS = [(LOGITS_PINGPONG, None, False), (LOGITS_PINGPONG, None, True),
-            (dataclasses.replace(LOGITS_PINGPONG, parts=4), None, False), (LOGITS_PINGPONG, (240, 24), False),
-            (dataclasses.replace(LOGITS_PINGPONG, parts=4), (240, 24), False)]
+# (launch, register split (compute, memory) per thread or None for logit_tiles_mgpu's)
+VARIANTS = [(LOGITS_PINGPONG, None), (dataclasses.replace(LOGITS_PINGPONG, parts=4), None),
+            (LOGITS_PINGPONG, (240, 24)), (dataclasses.replace(LOGITS_PINGPONG, parts=4), (240, 24))]
 OPTIONS = [("loss", StatsSpec(), True), ("q pz", StatsSpec(q=True, pz=True), True), ("no store", StatsSpec(), False)]
 
 
 def _name(variant):
-    cfg, regs, spin = variant
+    cfg, regs = variant
     regs = regs or (mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS)
     return (f"mosaic pp {cfg.tile_m}x{GEMM.tile_n}x{cfg.tile_k} s{cfg.num_stages} p{cfg.parts}/{cfg.parts_q_pz} "
-            f"r{regs[0]}/{regs[1]}{' spin' if spin else ''}")
-
-
-# Triton's barrier wait: `mbarrier.try_wait` without a suspend-time hint, again until the phase has completed (the
-# braces scope the label to each inlined copy)
-SPIN_WAIT = ("{\n.reg .pred p_done;\nspin_wait:\nmbarrier.try_wait.parity.shared::cta.b64 p_done, [$0], $1;\n"
-             "@!p_done bra spin_wait;\n}")
-
-
-def _spin_wait_parity(barrier, parity, orders_tensor_core=False):
-    """Mosaic GPU's `BarrierRef.wait_parity` as SPIN_WAIT (its own waits carry a suspend-time hint of 10,000,000
-    ticks: NANOSLEEP.SYNCS in the SASS)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-
-    if orders_tensor_core:
-        raise NotImplementedError("the spinning wait leaves out tcgen05's fence (sm_100)")
-    i32 = ir.IntegerType.get_signless(32)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [barrier.get_ptr(), arith.extui(i32, parity)], SPIN_WAIT, "r,r",
-                    has_side_effects=True)
+            f"r{regs[0]}/{regs[1]}")
 
 
 @contextlib.contextmanager
-def _traced(variant):
-    """One variant's trace: the kernel's setmaxnreg split replaced, and with `spin` every barrier wait as
-    SPIN_WAIT (a probe of the compute warpgroups' waits for their loads at H = 2048,
-    bench/results/nvidia-h100/tables-f05429b/README.md)."""
-    from jax.experimental.mosaic.gpu import utils as mosaic_utils
-
-    _, regs, spin = variant
-    saved = mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS, mosaic_utils.BarrierRef.wait_parity
+def _registers(regs):
+    """The kernel's setmaxnreg split replaced for one variant's trace."""
+    saved = mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS
     if regs:
         mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS = regs
-    if spin:
-        mosaic_utils.BarrierRef.wait_parity = _spin_wait_parity
     try:
         yield
     finally:
-        mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS, mosaic_utils.BarrierRef.wait_parity = saved
+        mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS = saved
 
 
 def _time_jax(fn, reps=20, rounds=3):
@@ -109,7 +81,7 @@ def _nan_bits(x, w, y, variant):
     x[10], w[17], y[11] = float("nan"), float("nan"), 17
     e_ref, p_ref = tt.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(), precision="ieee")
     xj, wj, yj = (jax.dlpack.from_dlpack(t) for t in (x, w, y.to(torch.int32)))
-    with _traced(variant):
+    with _registers(variant[1]):
         e, parts = jm.mosaic_logit_tiles(xj, wj, jt.safe_targets(jt.arrays, yj, w.shape[0]), has_q=False,
                                          has_pz=False, store=True, cfg=GEMM, pingpong=variant[0])
     bits = {k: bits_equal(torch.from_dlpack(parts[k]), p_ref[k]) for k in p_ref}
@@ -142,7 +114,7 @@ def main(out_path=None, shapes=SHAPES, variants=VARIANTS):
                     fn = jax.jit(lambda a, b, c, cfg=variant[0]: jm.mosaic_logit_tiles(
                         a, b, c, has_q=spec.q, has_pz=spec.pz, store=store, cfg=GEMM, pingpong=cfg))
                     t0 = time.perf_counter()
-                    with _traced(variant):
+                    with _registers(variant[1]):
                         e, parts = jax.block_until_ready(fn(xj, wj, y_safe))
                     row["first_call_s"] = round(time.perf_counter() - t0, 2)
                     row["bits"] = {k: bits_equal(torch.from_dlpack(parts[k]), p_ref[k]) for k in p_ref}
