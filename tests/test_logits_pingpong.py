@@ -291,6 +291,36 @@ def test_jax_pingpong_kernel_lowers_for_the_gpu(monkeypatch):
                                    s((2048, 1024), bf), s((), jnp.int32))
 
 
+def test_jax_pingpong_loader_in_one_warp_lowers_for_the_gpu(monkeypatch):
+    """`mgpu.LOADER_WARPS = 1` (the loader in one warp of the memory warpgroup, a launch probe that the
+    interpreter cannot run: it runs no core_map inside a kernel) lowered for CUDA on this CPU, in both kernels on
+    `mgpu.pingpong`: the logits GEMM and the short-K dW. A warp's scope names no "sm" axis, so the loader's
+    program index comes from outside it; the lowering fails where it does not."""
+    import jax
+    import jax.numpy as jnp
+
+    from fce_core.config import GRAD_GEMM_MOSAIC
+    from fce_jax.kernels import grad_gemms as jg
+    from fce_jax.kernels import launch, mgpu
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+
+    for module in (launch, mgpu, jm, jg):
+        monkeypatch.setattr(module, "interpret_mode", lambda: False)
+    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
+    monkeypatch.setattr(mgpu, "LOADER_WARPS", 1)
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+
+    def lowered(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    logits = lowered(lambda x, w, y: jm.mosaic_logit_tiles(x, w, y, has_q=False, has_pz=False, store=True, cfg=GEMM,
+                                                           pingpong=LOGITS_PINGPONG),
+                     s((2048, 2048), bf), s((128256, 2048), bf), s((2048,), jnp.int32))
+    pingpong_dw = dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True)
+    dw = lowered(lambda a, b: jg.dw_gemm(a, b, bf, cfg=pingpong_dw), s((256, 128256), bf), s((256, 4096), bf))
+    assert "mosaic_gpu" in logits and "mosaic_gpu" in dw
+
+
 def test_jax_default_takes_the_pingpong_kernel_where_the_config_says(monkeypatch):
     """The JAX twin's logits GEMM lowered for CUDA on this CPU: with GEMM (no launch given), Mosaic GPU's ping-pong
     kernel for a chunk of more than SHORT_ROWS 16-bit rows of at most `pingpong_max_hidden` columns whose tile values

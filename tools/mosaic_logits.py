@@ -1,9 +1,10 @@
 """The JAX twin's logits GEMM on its Mosaic GPU ping-pong kernel (fce_jax/kernels/logit_tiles_mgpu.py,
 `pingpong=`) against fce_torch's (the Gluon ping-pong kernel where it applies, the same bits as its Triton
 kernel) and the JAX twin's kernel on Pallas' Triton lowering, per chunk: bits of e and of every partial against
-fce_torch's, and times, over launch variants of LOGITS_PINGPONG and of the blocks' register split, and over the
-options that the kernel takes (the loss's statistics; q and pz; no e stored); at the first shape also the bits
-with NaN in the logits (`_nan_bits`). On the same GPU tensors (DLPack);
+fce_torch's, and times, over launch variants of LOGITS_PINGPONG and of `fce_jax.kernels.mgpu`'s constants (the
+register split, the loader's warps), and over the options that the kernel takes (the loss's statistics; q and pz;
+no e stored); at the first shape also the bits with NaN in the logits (`_nan_bits`). On the same GPU tensors
+(DLPack);
 with MOSAIC_GPU_DUMP_PTXAS=1 each variant's ptxas report follows its "===" line.
 
     python tools/mosaic_logits.py [OUT.json [N,H,V ...]]   # GPU only
@@ -35,29 +36,32 @@ from gluon_logits import bits_equal, chunk_inputs, emitter, report, time_cuda
 
 TRITON_LOWERING = dataclasses.replace(GEMM, pingpong_max_hidden=0)  # the JAX twin's kernel on Pallas' Triton lowering
 SHAPES = [(2048, 2048, 128256), (768, 640, 262144), (1280, 896, 151936), (1024, 4096, 128256), (512, 4096, 128256)]
-# (launch, register split (compute, memory) per thread or None for logit_tiles_mgpu's)
-VARIANTS = [(LOGITS_PINGPONG, None), (dataclasses.replace(LOGITS_PINGPONG, parts=4), None),
-            (LOGITS_PINGPONG, (240, 24)), (dataclasses.replace(LOGITS_PINGPONG, parts=4), (240, 24))]
+# (launch, `fce_jax.kernels.mgpu` constants replaced for its trace: the register split, the loader's warps)
+ONE_WARP = {"LOADER_WARPS": 1}
+VARIANTS = [(LOGITS_PINGPONG, {}), (LOGITS_PINGPONG, ONE_WARP), (dataclasses.replace(LOGITS_PINGPONG, parts=4), {}),
+            (dataclasses.replace(LOGITS_PINGPONG, parts=4), ONE_WARP)]
 OPTIONS = [("loss", StatsSpec(), True), ("q pz", StatsSpec(q=True, pz=True), True), ("no store", StatsSpec(), False)]
 
 
 def _name(variant):
-    cfg, regs = variant
-    regs = regs or (mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS)
+    cfg, consts = variant
+    consts = {"COMPUTE_REGISTERS": mgpu.COMPUTE_REGISTERS, "MEMORY_REGISTERS": mgpu.MEMORY_REGISTERS,
+              "LOADER_WARPS": mgpu.LOADER_WARPS, **consts}
     return (f"mosaic pp {cfg.tile_m}x{GEMM.tile_n}x{cfg.tile_k} s{cfg.num_stages} p{cfg.parts}/{cfg.parts_q_pz} "
-            f"r{regs[0]}/{regs[1]}")
+            f"r{consts['COMPUTE_REGISTERS']}/{consts['MEMORY_REGISTERS']} loader {consts['LOADER_WARPS']}w")
 
 
 @contextlib.contextmanager
-def _registers(regs):
-    """The kernel's setmaxnreg split replaced for one variant's trace."""
-    saved = mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS
-    if regs:
-        mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS = regs
+def _traced(consts):
+    """`fce_jax.kernels.mgpu`'s launch constants replaced for one variant's trace."""
+    saved = {k: getattr(mgpu, k) for k in consts}
+    for k, value in consts.items():
+        setattr(mgpu, k, value)
     try:
         yield
     finally:
-        mgpu.COMPUTE_REGISTERS, mgpu.MEMORY_REGISTERS = saved
+        for k, value in saved.items():
+            setattr(mgpu, k, value)
 
 
 def _time_jax(fn, reps=20, rounds=3):
@@ -81,7 +85,7 @@ def _nan_bits(x, w, y, variant):
     x[10], w[17], y[11] = float("nan"), float("nan"), 17
     e_ref, p_ref = tt.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(), precision="ieee")
     xj, wj, yj = (jax.dlpack.from_dlpack(t) for t in (x, w, y.to(torch.int32)))
-    with _registers(variant[1]):
+    with _traced(variant[1]):
         e, parts = jm.mosaic_logit_tiles(xj, wj, jt.safe_targets(jt.arrays, yj, w.shape[0]), has_q=False,
                                          has_pz=False, store=True, cfg=GEMM, pingpong=variant[0])
     bits = {k: bits_equal(torch.from_dlpack(parts[k]), p_ref[k]) for k in p_ref}
@@ -114,7 +118,7 @@ def main(out_path=None, shapes=SHAPES, variants=VARIANTS):
                     fn = jax.jit(lambda a, b, c, cfg=variant[0]: jm.mosaic_logit_tiles(
                         a, b, c, has_q=spec.q, has_pz=spec.pz, store=store, cfg=GEMM, pingpong=cfg))
                     t0 = time.perf_counter()
-                    with _registers(variant[1]):
+                    with _traced(variant[1]):
                         e, parts = jax.block_until_ready(fn(xj, wj, y_safe))
                     row["first_call_s"] = round(time.perf_counter() - t0, 2)
                     row["bits"] = {k: bits_equal(torch.from_dlpack(parts[k]), p_ref[k]) for k in p_ref}

@@ -32,6 +32,9 @@ COMPUTE_WGS = 2  # compute warpgroups of a block, in every kernel here (the memo
 # share of the rest of the register file (as emit_pipeline_warp_specialized shares it)
 MEMORY_REGISTERS = 40
 COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // COMPUTE_WGS // 8 * 8
+# The memory warpgroup's warps that run `pingpong`'s loader on the GPU: 4 (the warpgroup) or 1, as fce_torch's loader
+# warp (a probe of the loads' lateness at H = 2048, tools/mosaic_logits.py; not yet timed)
+LOADER_WARPS = 4
 INTERPRETER_POOL_THREADS = 8  # blocked at once at most: a launch's callback and 3 warpgroups, with room to spare
 
 
@@ -91,11 +94,8 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
         slot = lax.rem(ring_step, stages_)
         return ring_step, slot, loaded.at[lax.rem(i, COMPUTE_WGS) * stages_ + slot]
 
-    @pl.when(wg == COMPUTE_WGS)
-    def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-        @each_item
+    def loader(program, programs, loop):
+        @loop
         def _load(i, at):
             @pl.loop(0, steps)
             def _step(s):
@@ -103,11 +103,27 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
                 pl.when(ring_step >= stages_)(lambda: plgpu.barrier_wait(consumed.at[slot]))
                 load(at, s, slot, arrived)
 
-        # the releases that no later load waited for: the memory warpgroup observes every phase too
-        programs, program = lax.axis_size("sm"), lax.axis_index("sm")
+        # the releases that no later load waited for: the loader observes every phase too
         filled = lax.div(items - program + programs - 1, programs) * steps
         for slot in range(stages_):
             pl.when(filled > slot)(lambda at=slot: plgpu.barrier_wait(consumed.at[at]))
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        program, programs = lax.axis_index("sm"), lax.axis_size("sm")
+        if LOADER_WARPS == 4 or interpret_mode():  # the interpreter runs no core_map inside a kernel
+            loader(program, programs, each_item)
+            return
+
+        def warp_items(body):  # each_item in a warp's scope, where no axis but the warp's has a name
+            @pl.loop(0, lax.div(items - program + programs - 1, programs))
+            def _item(i):
+                body(i, origin(program + i * programs))
+
+        @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+        def _one_warp():
+            pl.when(lax.axis_index("warp") == 0)(lambda: loader(program, programs, warp_items))
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
