@@ -94,7 +94,7 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
         slot = lax.rem(ring_step, stages_)
         return ring_step, slot, loaded.at[lax.rem(i, COMPUTE_WGS) * stages_ + slot]
 
-    def loader(program, programs, loop):
+    def loader(count, loop):  # `count`: the program's items
         @loop
         def _load(i, at):
             @pl.loop(0, steps)
@@ -104,7 +104,7 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
                 load(at, s, slot, arrived)
 
         # the releases that no later load waited for: the loader observes every phase too
-        filled = lax.div(items - program + programs - 1, programs) * steps
+        filled = count * steps
         for slot in range(stages_):
             pl.when(filled > slot)(lambda at=slot: plgpu.barrier_wait(consumed.at[at]))
 
@@ -112,18 +112,19 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
     def _memory():
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
         program, programs = lax.axis_index("sm"), lax.axis_size("sm")
+        count = lax.div(items - program + programs - 1, programs)
         if LOADER_WARPS == 4 or interpret_mode():  # the interpreter runs no core_map inside a kernel
-            loader(program, programs, each_item)
+            loader(count, each_item)
             return
 
         def warp_items(body):  # each_item in a warp's scope, where no axis but the warp's has a name
-            @pl.loop(0, lax.div(items - program + programs - 1, programs))
+            @pl.loop(0, count)
             def _item(i):
                 body(i, origin(program + i * programs))
 
         @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
         def _one_warp():
-            pl.when(lax.axis_index("warp") == 0)(lambda: loader(program, programs, warp_items))
+            pl.when(lax.axis_index("warp") == 0)(lambda: loader(count, warp_items))
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
