@@ -21,11 +21,11 @@ parity: $(STAMP)
 
 # The tests (CPU: kernels in the Triton interpreter and Pallas interpret mode), in TEST_WORKERS processes
 # (pytest-xdist), each test file in one of them: its module fixtures (the peers' driver, the bench smoke runs,
-# the distributed jobs) start once. TEST_WORKERS=0 runs them in this process. The slowest tests are listed last, to
-# keep CI's time in view.
+# the distributed jobs) start once. The files go out in tests/conftest.py's order, the longest first.
+# TEST_WORKERS=0 runs them in this process. The slowest tests are listed last, to keep CI's time in view.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
 
 bench-smoke: $(STAMP)
 	$(VENV)/bin/python -m bench op --smoke
