@@ -33,7 +33,9 @@ COMPUTE_WGS = 2  # compute warpgroups of a block, in every kernel here (the memo
 MEMORY_REGISTERS = 40
 COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // COMPUTE_WGS // 8 * 8
 # The memory warpgroup's warps that run `pingpong`'s loader on the GPU: 4 (the warpgroup) or 1, as fce_torch's loader
-# warp (a probe of the loads' lateness at H = 2048, tools/mosaic_logits.py; not yet timed)
+# warp. Per chunk on an H100 (bench/results/nvidia-h100/loader-one-warp/), with the tile values stored, one warp took
+# 7-8% off at H = 2048 (with `parts=4` 1.680 ms against the default's 1.928) and was within 2% at H = 640 and 896;
+# the same bits. Not yet timed in the engine, so 4 stays.
 LOADER_WARPS = 4
 INTERPRETER_POOL_THREADS = 8  # blocked at once at most: a launch's callback and 3 warpgroups, with room to spare
 
