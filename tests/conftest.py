@@ -46,10 +46,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped on CPU-only machines)")
 
 
-# The longest test files first, by their time in a CI run (`make test --durations=0`, 180f068: test_fused_engine.py
-# alone held a third of the suite's time), so that `make test`'s two xdist workers, which take whole files in this
-# order (the Makefile turns off xdist's own reordering by test count, which put the few-test files with long
-# subprocess fixtures last), do not start a long one last.
+# The longest test files first, by their time in a CI run (`make test ARGS=--durations=0`, 180f068:
+# test_fused_engine.py alone held a third of the suite's time), so that `make test`'s two xdist workers, which take
+# whole files in this order (the Makefile turns off xdist's own reordering by test count, which put the few-test files
+# with long subprocess fixtures last), do not start a long one last.
 LONG_FILES = ("test_fused_engine.py", "test_peers.py", "test_plan.py", "test_flce.py", "test_bench.py",
               "test_vocab_parallel_tools.py", "test_distributed_jax.py", "test_cpo.py", "test_logprobs.py",
               "test_compile.py", "test_logits_pingpong.py", "test_distributed_torch.py", "test_flce_jax_only.py")
