@@ -106,10 +106,11 @@ class PingPongConfig:
     compute warpgroups taking [tile_m, GemmConfig.tile_n] tiles in turns, K in steps of tile_k through a ring of
     num_stages, a loader warp; the epilogue's e and sums in `parts` column blocks (a power of two; `parts_q_pz`
     where the head asks for q or pz: their terms beside e spilled at 2 blocks), each owner's e staged in
-    `e_buffers` of them (dividing both); register counts of the partitions (setmaxnreg). Speed only: the
-    partials' width is GemmConfig.tile_n, as in the Triton kernel. The JAX twin's Mosaic GPU ping-pong kernel
-    (fce_jax/kernels/logit_tiles_mgpu.py, opt-in) takes tile_m, tile_k, num_stages, parts and parts_q_pz from
-    it; its memory warpgroup and register split are `fce_jax.kernels.mgpu`'s, with one e buffer an owner."""
+    `e_buffers` of them (dividing both); register counts of the partitions (setmaxnreg); the loader's warps.
+    Speed only: the partials' width is GemmConfig.tile_n, as in the Triton kernel. The JAX twin's Mosaic GPU
+    ping-pong kernel (fce_jax/kernels/logit_tiles_mgpu.py) takes tile_m, tile_k, num_stages, parts, parts_q_pz
+    and loader_warps (1, or 4: its whole memory warpgroup) from it; its register split is
+    `fce_jax.kernels.mgpu`'s, with one e buffer an owner."""
     NUMERICS = ()
     tile_m: int = 64
     tile_k: int = 64
@@ -119,6 +120,7 @@ class PingPongConfig:
     e_buffers: int = 1
     compute_regs: int = 240
     loader_regs: int = 24
+    loader_warps: int = 1
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,13 @@ def short(rows):
 # 1.74-1.76 at (1024, 4096, 128256); at 256 rows no faster, so short chunks keep GEMM_SHORT. In the engine,
 # fwd+bwd 2.7% faster at 16384x2048 and 5.9% at 8192x640 (bench/results/nvidia-h100/logits-pingpong/).
 LOGITS_PINGPONG = PingPongConfig()
+# The JAX twin's launch of the ping-pong kernel (fce_jax/kernels/logit_tiles_mgpu.py): its loader in the memory
+# warpgroup's 4 warps. Per chunk on an H100 with the tile values stored, one warp with 4 epilogue parts took 7-8% off
+# at H = 2048 (1.680 against 1.928 ms, bench/results/nvidia-h100/loader-one-warp/), but in the engine, timed against
+# this launch in one process (`tools/engine_ab.py`, bench/results/nvidia-h100/engine-loader-ab/), it gained nothing
+# beyond the spread of identical programs (3% at 16384x2048, under the power cap): 0.96x and 1.01x at 16384x2048 with
+# `pingpong_max_hidden=2048`, 1.01-1.02x at 8192x640, 0.98x at 8192x896; the same bits.
+LOGITS_PINGPONG_MOSAIC = dataclasses.replace(LOGITS_PINGPONG, loader_warps=4)
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)
 # The JAX twin's logits GEMM on Pallas Mosaic GPU, opt-in. Raw logits without pz take the ping-pong kernel

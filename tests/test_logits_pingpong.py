@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fce_core.config import (GEMM, GEMM_INTERPRETER, GEMM_MOSAIC_INTERPRETER, GEMM_SHORT, LOGITS_PINGPONG,
-                             SHORT_ROWS)
+                             LOGITS_PINGPONG_MOSAIC, SHORT_ROWS)
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_torch.kernels import logit_tiles_gluon
@@ -236,7 +236,8 @@ def test_jax_pingpong_kernel_scope():
 
 def test_jax_logit_tiles_chooses_the_pingpong_kernel(monkeypatch):
     """`logit_tiles` with a Mosaic GPU config (`GemmConfig.mosaic`, opt-in) runs raw logits on the ping-pong
-    kernel with LOGITS_PINGPONG, a bias on the split-tile kernel; the default config on the Triton lowering."""
+    kernel with LOGITS_PINGPONG_MOSAIC, a bias on the split-tile kernel; a config without it on the Triton lowering
+    (`pingpong_max_hidden=0`: GEMM itself takes the ping-pong kernel for these rows on the GPU)."""
     import jax.numpy as jnp
 
     from fce_core.config import GEMM_MOSAIC
@@ -252,14 +253,15 @@ def test_jax_logit_tiles_chooses_the_pingpong_kernel(monkeypatch):
     monkeypatch.setattr(jt, "call", lambda *a, **kw: lambda *args: record(pingpong="triton"))
     x, w, y = jnp.ones((304, 64), jnp.bfloat16), jnp.ones((512, 64), jnp.bfloat16), jnp.zeros((304,), jnp.int32)
     kw = dict(spec=StatsSpec(), transform=Transform(), precision=None)
-    for bias, cfg in ((None, GEMM_MOSAIC), (jnp.zeros((512,), jnp.float32), GEMM_MOSAIC), (None, GEMM)):
+    lowering = dataclasses.replace(GEMM, pingpong_max_hidden=0)
+    for bias, cfg in ((None, GEMM_MOSAIC), (jnp.zeros((512,), jnp.float32), GEMM_MOSAIC), (None, lowering)):
         with pytest.raises(StopIteration):
             jt.logit_tiles(x, w, bias, y, None, cfg=cfg, **kw)
-    assert calls == [LOGITS_PINGPONG, None, "triton"]
+    assert calls == [LOGITS_PINGPONG_MOSAIC, None, "triton"]
 
 
 def test_jax_pingpong_kernel_lowers_for_the_gpu(monkeypatch):
-    """The ping-pong kernel as the GPU builds it (LOGITS_PINGPONG, 132 programs), lowered for CUDA on this CPU
+    """The ping-pong kernel as the GPU builds it (LOGITS_PINGPONG_MOSAIC, 132 programs), lowered for CUDA on this CPU
     at the bench's chunk shapes: with and without the tile values, with q and pz, and into a kept dZ from a
     traced row."""
     import jax
@@ -279,23 +281,23 @@ def test_jax_pingpong_kernel_lowers_for_the_gpu(monkeypatch):
     for n, h, v in ((2048, 2048, 128256), (768, 640, 262144), (1280, 896, 151936)):
         for q_pz, store in ((False, True), (True, True), (False, False)):
             text = lowered(lambda x, w, y: jm.mosaic_logit_tiles(x, w, y, has_q=q_pz, has_pz=q_pz, store=store,
-                                                                 cfg=GEMM, pingpong=LOGITS_PINGPONG),
+                                                                 cfg=GEMM, pingpong=LOGITS_PINGPONG_MOSAIC),
                            s((n, h), bf), s((v, h), bf), s((n,), jnp.int32))
             assert "mosaic_gpu" in text
 
     def into(x, w, y, kept, r0):
         return jm.mosaic_logit_tiles(x, w, y, has_q=False, has_pz=False, store=True, cfg=GEMM, into=kept, row0=r0,
-                                     pingpong=LOGITS_PINGPONG)
+                                     pingpong=LOGITS_PINGPONG_MOSAIC)
 
     assert "mosaic_gpu" in lowered(into, s((512, 640), bf), s((1024, 640), bf), s((512,), jnp.int32),
                                    s((2048, 1024), bf), s((), jnp.int32))
 
 
-def test_jax_pingpong_loader_in_one_warp_lowers_for_the_gpu(monkeypatch):
-    """`mgpu.LOADER_WARPS = 1` (the loader in one warp of the memory warpgroup, a launch probe that the
-    interpreter cannot run: it runs no core_map inside a kernel) lowered for CUDA on this CPU, in both kernels on
-    `mgpu.pingpong`: the logits GEMM and the short-K dW. A warp's scope names no "sm" axis, so the loader's
-    program index comes from outside it; the lowering fails where it does not."""
+def test_jax_pingpong_loader_warps_lower_for_the_gpu(monkeypatch):
+    """`mgpu.pingpong`'s loader in one warp of the memory warpgroup and in all four (`PingPongConfig.loader_warps`
+    of the logits GEMM; the short-K dW takes 4), lowered for CUDA on this CPU: the interpreter cannot run the one-warp
+    form (it runs no core_map inside a kernel). A warp's scope names no "sm" axis, so the loader's program index
+    comes from outside it; the lowering fails where it does not."""
     import jax
     import jax.numpy as jnp
 
@@ -307,18 +309,27 @@ def test_jax_pingpong_loader_in_one_warp_lowers_for_the_gpu(monkeypatch):
     for module in (launch, mgpu, jm, jg):
         monkeypatch.setattr(module, "interpret_mode", lambda: False)
     monkeypatch.setattr(mgpu, "_cores", lambda: 132)
-    monkeypatch.setattr(mgpu, "LOADER_WARPS", 1)
     s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    warps, schedule = [], mgpu.pingpong
+
+    def recorded(*args, loader_warps=4, **kw):
+        warps.append(loader_warps)
+        return schedule(*args, loader_warps=loader_warps, **kw)
+
+    monkeypatch.setattr(mgpu, "pingpong", recorded)
 
     def lowered(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    logits = lowered(lambda x, w, y: jm.mosaic_logit_tiles(x, w, y, has_q=False, has_pz=False, store=True, cfg=GEMM,
-                                                           pingpong=LOGITS_PINGPONG),
-                     s((2048, 2048), bf), s((128256, 2048), bf), s((2048,), jnp.int32))
+    for loader_warps in (1, 4):
+        pp = dataclasses.replace(LOGITS_PINGPONG_MOSAIC, loader_warps=loader_warps)
+        assert "mosaic_gpu" in lowered(lambda x, w, y: jm.mosaic_logit_tiles(
+            x, w, y, has_q=False, has_pz=False, store=True, cfg=GEMM, pingpong=pp),
+            s((2048, 2048), bf), s((128256, 2048), bf), s((2048,), jnp.int32))
     pingpong_dw = dataclasses.replace(GRAD_GEMM_MOSAIC, pingpong=True)
-    dw = lowered(lambda a, b: jg.dw_gemm(a, b, bf, cfg=pingpong_dw), s((256, 128256), bf), s((256, 4096), bf))
-    assert "mosaic_gpu" in logits and "mosaic_gpu" in dw
+    assert "mosaic_gpu" in lowered(lambda a, b: jg.dw_gemm(a, b, bf, cfg=pingpong_dw), s((256, 128256), bf),
+                                   s((256, 4096), bf))
+    assert warps == [1, 4, 4]
 
 
 def test_jax_default_takes_the_pingpong_kernel_where_the_config_says(monkeypatch):

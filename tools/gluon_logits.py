@@ -57,7 +57,7 @@ def _compile(cfg, spec, cw, store):
                H="i32")
     consts = dict(HAS_CW=cw, HAS_Q=spec.q, HAS_PZ=spec.pz, STORE=store, BM=cfg.tile_m, BN=bn, BK=cfg.tile_k,
                   STAGES=cfg.num_stages, PARTS=parts, E_BUFS=cfg.e_buffers, ASM=True,
-                  COMPUTE_REGS=cfg.compute_regs, LOADER_REGS=cfg.loader_regs)
+                  COMPUTE_REGS=cfg.compute_regs, LOADER_REGS=cfg.loader_regs, LOADER_WARPS=cfg.loader_warps)
     for name in consts:
         sig[name] = "constexpr"
     return triton.compile(GluonASTSource(lg._logit_tiles_pp_kernel.fn, sig, consts, {}),

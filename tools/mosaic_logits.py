@@ -1,11 +1,11 @@
 """The JAX twin's logits GEMM on its Mosaic GPU ping-pong kernel (fce_jax/kernels/logit_tiles_mgpu.py,
 `pingpong=`) against fce_torch's (the Gluon ping-pong kernel where it applies, the same bits as its Triton
 kernel) and the JAX twin's kernel on Pallas' Triton lowering, per chunk: bits of e and of every partial against
-fce_torch's, and times, over launch variants of LOGITS_PINGPONG and of `fce_jax.kernels.mgpu`'s constants (the
-register split, the loader's warps), and over the options that the kernel takes (the loss's statistics; q and pz;
-no e stored); at the first shape also the bits with NaN in the logits (`_nan_bits`). On the same GPU tensors
-(DLPack);
-with MOSAIC_GPU_DUMP_PTXAS=1 each variant's ptxas report follows its "===" line.
+fce_torch's, and times, over launch variants of LOGITS_PINGPONG (the epilogue's parts, the loader's warps) and
+of `fce_jax.kernels.mgpu`'s constants (the register split), and over the options that the kernel takes (the
+loss's statistics; q and pz; no e stored); at the first shape also the bits with NaN in the logits
+(`_nan_bits`). On the same GPU tensors (DLPack); with MOSAIC_GPU_DUMP_PTXAS=1 each variant's ptxas report
+follows its "===" line.
 
     python tools/mosaic_logits.py [OUT.json [N,H,V ...]]   # GPU only
 
@@ -36,19 +36,17 @@ from gluon_logits import bits_equal, chunk_inputs, emitter, report, time_cuda
 
 TRITON_LOWERING = dataclasses.replace(GEMM, pingpong_max_hidden=0)  # the JAX twin's kernel on Pallas' Triton lowering
 SHAPES = [(2048, 2048, 128256), (768, 640, 262144), (1280, 896, 151936), (1024, 4096, 128256), (512, 4096, 128256)]
-# (launch, `fce_jax.kernels.mgpu` constants replaced for its trace: the register split, the loader's warps)
-ONE_WARP = {"LOADER_WARPS": 1}
-VARIANTS = [(LOGITS_PINGPONG, {}), (LOGITS_PINGPONG, ONE_WARP), (dataclasses.replace(LOGITS_PINGPONG, parts=4), {}),
-            (dataclasses.replace(LOGITS_PINGPONG, parts=4), ONE_WARP)]
+# (launch, `fce_jax.kernels.mgpu` constants replaced for its trace: the register split)
+VARIANTS = [(dataclasses.replace(LOGITS_PINGPONG, parts=parts, loader_warps=warps), {})
+            for parts in (2, 4) for warps in (4, 1)]
 OPTIONS = [("loss", StatsSpec(), True), ("q pz", StatsSpec(q=True, pz=True), True), ("no store", StatsSpec(), False)]
 
 
 def _name(variant):
     cfg, consts = variant
-    consts = {"COMPUTE_REGISTERS": mgpu.COMPUTE_REGISTERS, "MEMORY_REGISTERS": mgpu.MEMORY_REGISTERS,
-              "LOADER_WARPS": mgpu.LOADER_WARPS, **consts}
+    consts = {"COMPUTE_REGISTERS": mgpu.COMPUTE_REGISTERS, "MEMORY_REGISTERS": mgpu.MEMORY_REGISTERS, **consts}
     return (f"mosaic pp {cfg.tile_m}x{GEMM.tile_n}x{cfg.tile_k} s{cfg.num_stages} p{cfg.parts}/{cfg.parts_q_pz} "
-            f"r{consts['COMPUTE_REGISTERS']}/{consts['MEMORY_REGISTERS']} loader {consts['LOADER_WARPS']}w")
+            f"r{consts['COMPUTE_REGISTERS']}/{consts['MEMORY_REGISTERS']} loader {cfg.loader_warps}w")
 
 
 @contextlib.contextmanager

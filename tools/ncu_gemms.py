@@ -73,7 +73,7 @@ def _calls(k, h, v, which):
 
 def _logits_calls(x, k, h, v, g):
     import jax
-    from fce_core.config import GEMM, LOGITS_PINGPONG
+    from fce_core.config import GEMM, LOGITS_PINGPONG_MOSAIC
     from fce_core.heads import StatsSpec
     from fce_core.options import Transform
     from fce_jax.kernels import logit_tiles as jt
@@ -84,7 +84,7 @@ def _logits_calls(x, k, h, v, g):
     xj, wj = jax.dlpack.from_dlpack(x), jax.dlpack.from_dlpack(w)
     y_safe = jt.safe_targets(jt.arrays, jax.dlpack.from_dlpack(y.to(torch.int32)), v)
     mosaic = jax.jit(lambda a, b, c: jm.mosaic_logit_tiles(a, b, c, has_q=False, has_pz=False, store=True, cfg=GEMM,
-                                                           pingpong=LOGITS_PINGPONG))
+                                                           pingpong=LOGITS_PINGPONG_MOSAIC))
     return [lambda: tt.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(), precision="ieee"),
             lambda: jax.block_until_ready(mosaic(xj, wj, y_safe))]
 

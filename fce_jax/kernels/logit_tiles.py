@@ -8,7 +8,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, LOGITS_PINGPONG, TILE_ROWS, short
+from fce_core.config import GEMM, GEMM_INTERPRETER, GEMM_SHORT, LOGITS_PINGPONG_MOSAIC, TILE_ROWS, short
 from fce_core.rows import safe_targets
 
 from .. import arrays
@@ -171,17 +171,17 @@ def logit_tiles(x, w, bias, y, class_weights, *, spec, transform, precision, int
     `into`, updated, or of a new [out_rows, V] array in x's dtype (default: the n rows alone; its other rows
     undefined), None without `store`; the [n, T] partials {m, s, amax, zy[, q][, pz]} of the T = ceil(V /
     tile_n) tiles). With `cfg.mosaic` (opt-in) it runs on Mosaic GPU, with the same bits: on the ping-pong
-    kernel (LOGITS_PINGPONG, fce_torch's schedule) where `logit_tiles_mgpu.pingpong_supports` says it applies,
-    else on the split-tile kernel where `logit_tiles_mgpu.supports` does (`row0_multiple`: what a traced row0 is
-    known to be a multiple of). Without `cfg.mosaic`, the ping-pong kernel where `takes_pingpong` and
-    `pingpong_supports` say so (GEMM: at H <= 1024)."""
+    kernel (LOGITS_PINGPONG_MOSAIC, fce_torch's schedule) where `logit_tiles_mgpu.pingpong_supports` says it
+    applies, else on the split-tile kernel where `logit_tiles_mgpu.supports` does (`row0_multiple`: what a
+    traced row0 is known to be a multiple of). Without `cfg.mosaic`, the ping-pong kernel where `takes_pingpong`
+    and `pingpong_supports` say so (GEMM: at H <= `pingpong_max_hidden`)."""
     cfg = gemm_config(cfg, x.shape[0])
     y_safe = safe_targets(arrays, y, w.shape[0])
     places = dict(into=into, out_rows=out_rows, row0=row0, row0_multiple=row0_multiple)
     if takes_pingpong(x, store, into, cfg) and pingpong_supports(x, w, bias, class_weights, transform, cfg,
-                                                                 LOGITS_PINGPONG, has_pz=spec.pz, **places):
+                                                                 LOGITS_PINGPONG_MOSAIC, has_pz=spec.pz, **places):
         return mosaic_logit_tiles(x, w, y_safe, has_q=spec.q, has_pz=spec.pz, store=store, cfg=cfg, into=into,
-                                  row0=row0, out_rows=out_rows, pingpong=LOGITS_PINGPONG)
+                                  row0=row0, out_rows=out_rows, pingpong=LOGITS_PINGPONG_MOSAIC)
     if cfg.mosaic and supports(x, w, bias, class_weights, transform, cfg, **places):
         return mosaic_logit_tiles(x, w, y_safe, has_q=spec.q, has_pz=spec.pz, store=store, cfg=cfg, bias=bias,
                                   class_weights=class_weights, temperature=transform.temperature, into=into,

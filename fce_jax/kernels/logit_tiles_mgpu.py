@@ -248,7 +248,7 @@ def _pingpong_kernel(x_gmem, w_gmem, y_gmem, hits_gmem, row0_gmem, *out_gmem, n_
                 p.at[pl.ds(r0, bm), t][...] = v
 
         mgpu.pingpong(n_m * n_tiles, steps, stages_, loaded, consumed, origin=origin, load=load, mma=mma,
-                      epilogue=epilogue, acc_shape=(bm, bn))
+                      epilogue=epilogue, acc_shape=(bm, bn), loader_warps=cfg.loader_warps)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

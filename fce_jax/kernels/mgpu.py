@@ -32,11 +32,6 @@ COMPUTE_WGS = 2  # compute warpgroups of a block, in every kernel here (the memo
 # share of the rest of the register file (as emit_pipeline_warp_specialized shares it)
 MEMORY_REGISTERS = 40
 COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // COMPUTE_WGS // 8 * 8
-# The memory warpgroup's warps that run `pingpong`'s loader on the GPU: 4 (the warpgroup) or 1, as fce_torch's loader
-# warp. Per chunk on an H100 (bench/results/nvidia-h100/loader-one-warp/), with the tile values stored, one warp took
-# 7-8% off at H = 2048 (with `parts=4` 1.680 ms against the default's 1.928) and was within 2% at H = 640 and 896;
-# the same bits. Not yet timed in the engine, so 4 stays.
-LOADER_WARPS = 4
 INTERPRETER_POOL_THREADS = 8  # blocked at once at most: a launch's callback and 3 warpgroups, with room to spare
 
 
@@ -68,7 +63,8 @@ def pingpong_barriers(stages_):
                 consumed=plgpu.Barrier(num_barriers=stages_))
 
 
-def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epilogue, acc_shape, prologue=None):
+def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epilogue, acc_shape, prologue=None,
+             loader_warps=4):
     """The ping-pong schedule, inside a block's scope over its warpgroups ("wg"; the memory warpgroup last):
     the program's items (a persistent loop over `items`, collective over "sm") alternate between the two
     compute warpgroups, so that one's epilogue runs under the other's wgmma.
@@ -78,7 +74,9 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
     is signalled on a barrier of the item's owner's (`loaded`), so that a warpgroup waits on every phase of
     its own barriers and on no other's. The owner runs `prologue(at)` (its value: `state`), `mma(acc, slot)`
     per step with one wgmma group left in flight (the previous step's stage released on `consumed` once the
-    next is issued), then `epilogue(at, acc, state)`. Each warpgroup's loop sits in a branch of its own after
+    next is issued), then `epilogue(at, acc, state)`. The loader runs in the memory warpgroup's `loader_warps`:
+    4 (the warpgroup), or 1 on the GPU (a warp's scope, as fce_torch's loader warp; the interpreter runs no core_map
+    inside a kernel, so it takes 4). Each warpgroup's loop sits in a branch of its own after
     its setmaxnreg: where the branches joined inside the loop, ptxas ignored both, and a 64x256 float32
     accumulator spilled under the 168 registers a thread left."""
     if stages_ < 2:
@@ -115,7 +113,7 @@ def pingpong(items, steps, stages_, loaded, consumed, *, origin, load, mma, epil
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
         program, programs = lax.axis_index("sm"), lax.axis_size("sm")
         count = lax.div(items - program + programs - 1, programs)
-        if LOADER_WARPS == 4 or interpret_mode():  # the interpreter runs no core_map inside a kernel
+        if loader_warps == 4 or interpret_mode():
             loader(count, each_item)
             return
 

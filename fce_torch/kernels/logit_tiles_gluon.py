@@ -194,7 +194,7 @@ def _logit_tiles_pp_kernel(x_desc, w_desc, e_desc, y_ptr, cw_ptr, m_ptr, s_ptr, 
                            n_rows, V, H, HAS_CW: gl.constexpr, HAS_Q: gl.constexpr, HAS_PZ: gl.constexpr,
                            STORE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                            STAGES: gl.constexpr, PARTS: gl.constexpr, E_BUFS: gl.constexpr, ASM: gl.constexpr,
-                           COMPUTE_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                           COMPUTE_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr):
     # x_desc: x [n, H], blocks [BM, BK]; w_desc: w [V, H], blocks [BN, BK]; e_desc: e [n, V], blocks
     # [BM, BN // PARTS] (unused without STORE). Launched with num_warps=4: the default partition is owner 0.
     gl.static_assert(STAGES >= 2, "the ring refills the stage that the previous step's wgmma read")
@@ -229,7 +229,7 @@ def _logit_tiles_pp_kernel(x_desc, w_desc, e_desc, y_ptr, cw_ptr, m_ptr, s_ptr, 
                               HAS_CW, HAS_Q, HAS_PZ, STORE, PARTS, E_BUFS, ASM)),
         (_load_partition, (x_desc, w_desc, x_ring, w_ring, ready, empty, pid, programs, n_m, n_tiles, n_k, BM, BN,
                            BK, STAGES)),
-    ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
+    ], [4, LOADER_WARPS], [COMPUTE_REGS, LOADER_REGS])
 
 
 def applies(x, w, e, bias, transform):
@@ -261,4 +261,4 @@ def logit_tiles_pp(x, w, y, class_weights, e, parts, *, spec, tile_n, cfg=LOGITS
         parts.get("q", m), parts.get("pz", m), n, V, hidden, HAS_CW=class_weights is not None, HAS_Q=spec.q,
         HAS_PZ=spec.pz, STORE=e is not None, BM=cfg.tile_m, BN=tile_n, BK=cfg.tile_k, STAGES=cfg.num_stages,
         PARTS=col_blocks, E_BUFS=cfg.e_buffers, ASM=fm.ASM, COMPUTE_REGS=cfg.compute_regs,
-        LOADER_REGS=cfg.loader_regs, num_warps=4)
+        LOADER_REGS=cfg.loader_regs, LOADER_WARPS=cfg.loader_warps, num_warps=4)
