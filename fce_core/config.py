@@ -104,7 +104,7 @@ class GemmConfig:
 class PingPongConfig:
     """fce_torch's logits GEMM on sm_90 for 16-bit operands (fce_torch/kernels/logit_tiles_gluon.py, Gluon): two
     compute warpgroups taking [tile_m, GemmConfig.tile_n] tiles in turns, K in steps of tile_k through a ring of
-    num_stages, a loader warp; the epilogue's e and sums in `parts` column blocks (a power of two; `parts_q_pz`
+    num_stages, a loader; the epilogue's e and sums in `parts` column blocks (a power of two; `parts_q_pz`
     where the head asks for q or pz: their terms beside e spilled at 2 blocks), each owner's e staged in
     `e_buffers` of them (dividing both); register counts of the partitions (setmaxnreg); the loader's warps.
     Speed only: the partials' width is GemmConfig.tile_n, as in the Triton kernel. The JAX twin's Mosaic GPU
@@ -257,7 +257,7 @@ LOGITS_PINGPONG = PingPongConfig()
 # at H = 2048 (1.680 against 1.928 ms, bench/results/nvidia-h100/loader-one-warp/), but in the engine, timed against
 # this launch in one process (`tools/engine_ab.py`, bench/results/nvidia-h100/engine-loader-ab/), it gained nothing
 # beyond the spread of identical programs (3% at 16384x2048, under the power cap): 0.96x and 1.01x at 16384x2048 with
-# `pingpong_max_hidden=2048`, 1.01-1.02x at 8192x640, 0.98x at 8192x896; the same bits.
+# `pingpong_max_hidden=2048`, 1.01x at 8192x640 (twice), 0.98x at 8192x896; the same bits.
 LOGITS_PINGPONG_MOSAIC = dataclasses.replace(LOGITS_PINGPONG, loader_warps=4)
 # The interpreters' tiles: small shapes reach several tiles and K steps (tile_n differs: other partials).
 GEMM_INTERPRETER = GemmConfig(tile_m=16, tile_n=32, tile_k=16, num_warps=4, num_stages=1)

@@ -1,17 +1,18 @@
 """fce_jax's fused engine, forward+backward, under launch variants of its kernels, in one process: each variant is
-compiled ahead of time under its settings, then all are timed in interleaved rounds (so that a drift of the
-clocks or of the power cap falls on every variant alike), and every output's bits (the loss, dX, dW) are compared
-with the first variant's, the package's defaults.
+compiled ahead of time under its settings, then all are timed interleaved, one call of each in turn, back to back
+(`--order calls`; so that a drift of the clocks or of the power cap falls on every variant alike), and every
+output's bits (the loss, dX, dW) are compared with the first variant's, the package's defaults.
 
 A variant is NAME:FIELD=VALUE[,FIELD=VALUE...] with FIELD one of
 - `gemm.F`: a field of the logits GEMM's GemmConfig (`fce_jax.kernels.logit_tiles.GEMM`), e.g.
   gemm.pingpong_max_hidden=2048;
 - `pingpong.F`: a field of the ping-pong kernel's PingPongConfig (`logit_tiles.LOGITS_PINGPONG_MOSAIC`), e.g.
-  pingpong.loader_warps=4;
+  pingpong.loader_warps=1;
 - `mgpu.C`: a constant of `fce_jax.kernels.mgpu`, e.g. mgpu.MEMORY_REGISTERS=56.
 These are launch settings: a variant whose bits differ from the defaults' is a defect, and the table says so.
 
-    python tools/engine_ab.py [--rounds R] [--reps K] [--out F.json] [--variant V]... N,H,V ...
+    python tools/engine_ab.py [--rounds R] [--reps K] [--order calls|blocks] [--out F.json] [--variant V]...
+        N,H,V ...
 
 Without --variant: the ping-pong kernel's loader in one warp with 4 epilogue parts, and that with the ping-pong
 kernel up to H = 2048. A development tool (GPU).
@@ -87,7 +88,7 @@ def step(x, w, y):
     return jax.value_and_grad(lambda x, w: fce_jax.fused_lce(x, w, y, engine="fused"), argnums=(0, 1))(x, w)
 
 
-def run_shape(n, h, v, variants, rounds, reps):
+def run_shape(n, h, v, variants, rounds, reps, order):
     args = make_inputs((n,), h, v, sets=1)[0]
     compiled, outputs, rows = {}, {}, []
     for name, changes in variants:
@@ -99,9 +100,14 @@ def run_shape(n, h, v, variants, rounds, reps):
         print(f"  ({n}, {h}, {v}) {name}: compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     times = {name: [] for name, _ in variants}
     for r in range(rounds):
-        for name, _ in variants:
-            _back_to_back(compiled[name], [args] * 3)  # the queue and the clocks settled after the last variant
-            times[name] += _back_to_back(compiled[name], [args] * reps)
+        if order == "blocks":
+            for name, _ in variants:
+                _back_to_back(compiled[name], [args] * 3)  # the queue and the clocks settled after the last variant
+                times[name] += _back_to_back(compiled[name], [args] * reps)
+        else:  # one call of each variant in turn, so that a drift of the clocks within a round falls on all alike
+            turns = [name for _ in range(reps) for name, _ in variants]
+            for name, ms in zip(turns, _back_to_back(lambda name: compiled[name](*args), [(k,) for k in turns])):
+                times[name].append(ms)
         print(f"  ({n}, {h}, {v}) round {r + 1}/{rounds}: " + ", ".join(
             f"{k} {statistics.median(t[-reps:]):.3f}" for k, t in times.items()), file=sys.stderr, flush=True)
     base_name = variants[0][0]
@@ -124,17 +130,20 @@ def main():
     parser.add_argument("--variant", action="append", type=parse_variant, metavar="NAME:FIELD=VALUE,...")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--order", choices=("calls", "blocks"), default="calls",
+                        help="calls: each round is --reps turns of one call per variant; blocks: --reps calls of "
+                             "one variant, then the next (stop 69's runs)")
     parser.add_argument("--out", metavar="F.json")
     args = parser.parse_args()
     variants = [("default", {})] + (args.variant or [parse_variant(t) for t in DEFAULT_VARIANTS])
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", file=sys.stderr, flush=True)
     rows = []
     for shape in args.shapes:
-        rows += run_shape(*(int(s) for s in shape.split(",")), variants, args.rounds, args.reps)
+        rows += run_shape(*(int(s) for s in shape.split(",")), variants, args.rounds, args.reps, args.order)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
-                               reps=args.reps, rows=rows), f, indent=1)
+                               reps=args.reps, order=args.order, rows=rows), f, indent=1)
     print("| N, H, V | variant | ms (median) | per round | vs default | bitwise default | temp GiB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
