@@ -14,8 +14,10 @@
 #   mosaic    python tools/mosaic_probe.py, the Mosaic GPU logits GEMM's variants, each in a process under a limit
 #   host      python tools/host_path.py --cuda, fce_torch's host time per fused fwd+bwd with and without its
 #             launches (HOST_ARGS: shapes N,H,V; 256,4096,128256 by default)
+#   engine    python tools/engine_ab.py, fce_jax's fused fwd+bwd under launch variants, bits against the defaults'
+#             (ENGINE_ARGS: shapes and --variant ...; the three shapes of the loader A/B by default)
 # Extra arguments for a job go in env vars: PARITY_ARGS, OP_ARGS, LOGPROBS_ARGS, CPO_ARGS, SFT_ARGS, KERNELS_ARGS,
-# MOSAIC_ARGS, HOST_ARGS;
+# MOSAIC_ARGS, HOST_ARGS, ENGINE_ARGS;
 # JOB_TIMEOUT (seconds, default 1800) bounds each job, <JOB>_TIMEOUT (e.g. PARITY_TIMEOUT) one of them.
 set -u
 out=${OUT:-out}
@@ -41,6 +43,8 @@ for job in "$@"; do
                 tee "$results/$job/log.txt" ;;
     mosaic)   timeout "$limit" python tools/mosaic_probe.py "$results/$job" ${MOSAIC_ARGS:-} ;;
     host)     timeout "$limit" python tools/host_path.py --cuda ${HOST_ARGS:-} 2>&1 | tee "$results/$job/host.txt" ;;
+    engine)   timeout "$limit" python tools/engine_ab.py --out "$results/$job/engine_ab.json" \
+                ${ENGINE_ARGS:-16384,2048,128256 8192,640,262144 8192,896,151936} | tee "$results/$job/engine_ab.md" ;;
     op)       timeout "$limit" python -m bench op --out "$results/$job" ${OP_ARGS:-} ;;
     logprobs) timeout "$limit" python -m bench logprobs --out "$results/$job" ${LOGPROBS_ARGS:-} ;;
     cpo)      timeout "$limit" python -m bench cpo --out "$results/$job" ${CPO_ARGS:-} ;;
