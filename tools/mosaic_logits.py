@@ -1,17 +1,15 @@
 """The JAX twin's logits GEMM on its Mosaic GPU ping-pong kernel (fce_jax/kernels/logit_tiles_mgpu.py,
 `pingpong=`) against fce_torch's (the Gluon ping-pong kernel where it applies, the same bits as its Triton
 kernel) and the JAX twin's kernel on Pallas' Triton lowering, per chunk: bits of e and of every partial against
-fce_torch's, and times, over launch variants of LOGITS_PINGPONG (the epilogue's parts, the loader's warps) and
-of `fce_jax.kernels.mgpu`'s constants (the register split), and over the options that the kernel takes (the
-loss's statistics; q and pz; no e stored); at the first shape also the bits with NaN in the logits
-(`_nan_bits`). On the same GPU tensors (DLPack); with MOSAIC_GPU_DUMP_PTXAS=1 each variant's ptxas report
-follows its "===" line.
+fce_torch's, and times, over launch variants of LOGITS_PINGPONG_MOSAIC (the epilogue's parts, the loader's
+warps), and over the options that the kernel takes (the loss's statistics; q and pz; no e stored); at the first
+shape also the bits with NaN in the logits (`_nan_bits`). On the same GPU tensors (DLPack); with
+MOSAIC_GPU_DUMP_PTXAS=1 each variant's ptxas report follows its "===" line.
 
     python tools/mosaic_logits.py [OUT.json [N,H,V ...]]   # GPU only
 
 A development tool.
 """
-import contextlib
 import dataclasses
 import os
 import sys
@@ -25,7 +23,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 import jax
 import torch
 
-from fce_core.config import GEMM, LOGITS_PINGPONG
+from fce_core.config import GEMM, LOGITS_PINGPONG_MOSAIC
 from fce_core.heads import StatsSpec
 from fce_core.options import Transform
 from fce_jax.kernels import logit_tiles as jt
@@ -36,30 +34,15 @@ from gluon_logits import bits_equal, chunk_inputs, emitter, report, time_cuda
 
 TRITON_LOWERING = dataclasses.replace(GEMM, pingpong_max_hidden=0)  # the JAX twin's kernel on Pallas' Triton lowering
 SHAPES = [(2048, 2048, 128256), (768, 640, 262144), (1280, 896, 151936), (1024, 4096, 128256), (512, 4096, 128256)]
-# (launch, `fce_jax.kernels.mgpu` constants replaced for its trace: the register split)
-VARIANTS = [(dataclasses.replace(LOGITS_PINGPONG, parts=parts, loader_warps=warps), {})
+# the JAX twin's launch first, then its epilogue parts and loader warps varied
+VARIANTS = [dataclasses.replace(LOGITS_PINGPONG_MOSAIC, parts=parts, loader_warps=warps)
             for parts in (2, 4) for warps in (4, 1)]
 OPTIONS = [("loss", StatsSpec(), True), ("q pz", StatsSpec(q=True, pz=True), True), ("no store", StatsSpec(), False)]
 
 
-def _name(variant):
-    cfg, consts = variant
-    consts = {"COMPUTE_REGISTERS": mgpu.COMPUTE_REGISTERS, "MEMORY_REGISTERS": mgpu.MEMORY_REGISTERS, **consts}
+def _name(cfg):
     return (f"mosaic pp {cfg.tile_m}x{GEMM.tile_n}x{cfg.tile_k} s{cfg.num_stages} p{cfg.parts}/{cfg.parts_q_pz} "
-            f"r{consts['COMPUTE_REGISTERS']}/{consts['MEMORY_REGISTERS']} loader {cfg.loader_warps}w")
-
-
-@contextlib.contextmanager
-def _traced(consts):
-    """`fce_jax.kernels.mgpu`'s launch constants replaced for one variant's trace."""
-    saved = {k: getattr(mgpu, k) for k in consts}
-    for k, value in consts.items():
-        setattr(mgpu, k, value)
-    try:
-        yield
-    finally:
-        for k, value in saved.items():
-            setattr(mgpu, k, value)
+            f"r{mgpu.COMPUTE_REGISTERS}/{mgpu.MEMORY_REGISTERS} loader {cfg.loader_warps}w")
 
 
 def _time_jax(fn, reps=20, rounds=3):
@@ -83,9 +66,8 @@ def _nan_bits(x, w, y, variant):
     x[10], w[17], y[11] = float("nan"), float("nan"), 17
     e_ref, p_ref = tt.logit_tiles(x, w, None, y, None, spec=StatsSpec(), transform=Transform(), precision="ieee")
     xj, wj, yj = (jax.dlpack.from_dlpack(t) for t in (x, w, y.to(torch.int32)))
-    with _traced(variant[1]):
-        e, parts = jm.mosaic_logit_tiles(xj, wj, jt.safe_targets(jt.arrays, yj, w.shape[0]), has_q=False,
-                                         has_pz=False, store=True, cfg=GEMM, pingpong=variant[0])
+    e, parts = jm.mosaic_logit_tiles(xj, wj, jt.safe_targets(jt.arrays, yj, w.shape[0]), has_q=False,
+                                     has_pz=False, store=True, cfg=GEMM, pingpong=variant)
     bits = {k: bits_equal(torch.from_dlpack(parts[k]), p_ref[k]) for k in p_ref}
     bits["e"] = bits_equal(torch.from_dlpack(e), e_ref)
     return dict(impl=_name(variant), options="loss, NaN", bits=bits)
@@ -113,11 +95,10 @@ def main(out_path=None, shapes=SHAPES, variants=VARIANTS):
                 print(f"=== {n}x{h}x{v}: {_name(variant)}, {name}", flush=True)  # before its ptxas lines
                 row = dict(impl=_name(variant), options=name)
                 try:
-                    fn = jax.jit(lambda a, b, c, cfg=variant[0]: jm.mosaic_logit_tiles(
+                    fn = jax.jit(lambda a, b, c, cfg=variant: jm.mosaic_logit_tiles(
                         a, b, c, has_q=spec.q, has_pz=spec.pz, store=store, cfg=GEMM, pingpong=cfg))
                     t0 = time.perf_counter()
-                    with _traced(variant[1]):
-                        e, parts = jax.block_until_ready(fn(xj, wj, y_safe))
+                    e, parts = jax.block_until_ready(fn(xj, wj, y_safe))
                     row["first_call_s"] = round(time.perf_counter() - t0, 2)
                     row["bits"] = {k: bits_equal(torch.from_dlpack(parts[k]), p_ref[k]) for k in p_ref}
                     if store:
