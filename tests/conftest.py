@@ -7,7 +7,8 @@ least 8 (``PJRT_NPROC``, likewise), XLA's quick compile options in ``XLA_FLAGS``
 interpreter without its re-patching at each helper call and with its numpy dtypes cached (`triton_interpreter`).
 ``FCE_TEST_DEVICE=cpu`` or ``=cuda`` overrides the detection (which looks for ``nvidia-smi`` on the PATH).
 
-Provided here: the ``device`` fixture ("cuda" or "cpu"), the ``gpu`` marker (skipped without a GPU), and
+Provided here: the ``device`` fixture ("cuda" or "cpu"), the ``cuda_lowering`` fixture (the JAX twin's kernels
+lowered for CUDA on this CPU), the ``gpu`` marker (skipped without a GPU), and
 automatic parametrization of any test that takes a ``case`` argument over ``parity.cases.small_cases()``
 (unless the test parametrizes ``case`` itself), and the longest files first in the run's order. Assertion
 helpers live in ``tests/helpers.py``.
@@ -91,3 +92,20 @@ def device() -> str:
         if torch.cuda.is_available():
             return "cuda"
     return "cpu"
+
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """The JAX twin's kernels built as on an H100 (no interpreter, 132 programs); returns `lowered(fn, *args)`:
+    the text of fn's program lowered for CUDA on this CPU."""
+    import jax
+
+    from fce_jax.kernels import grad_gemms as jg
+    from fce_jax.kernels import launch, mgpu
+    from fce_jax.kernels import logit_tiles as jt
+    from fce_jax.kernels import logit_tiles_mgpu as jm
+
+    for module in (launch, mgpu, jm, jt, jg):
+        monkeypatch.setattr(module, "interpret_mode", lambda: False)
+    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
+    return lambda fn, *args: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

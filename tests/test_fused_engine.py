@@ -1169,7 +1169,7 @@ def test_jax_mosaic_interpreter_refuses_a_small_pool(monkeypatch):
         jg.dx_gemm(a, jnp.ones((16, 8), jnp.bfloat16), jnp.bfloat16, cfg=GRAD_GEMM_MOSAIC_INTERPRETER)
 
 
-def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
+def test_jax_mosaic_grad_gemms_lower_for_the_gpu(cuda_lowering):
     """The JAX twin's default gradient GEMMs as the GPU builds them (its launch tiles, 132 programs), lowered
     for CUDA on this CPU: 16-bit operands go to Mosaic GPU, whose Pallas lowering and layout inference accept
     every mode at the bench's shapes (dX with and without V slices, dW written, the (hi, lo) pair started and
@@ -1182,15 +1182,9 @@ def test_jax_mosaic_grad_gemms_lower_for_the_gpu(monkeypatch):
     from fce_core.config import GRAD_GEMM_MOSAIC as cfg
     from fce_core.plan import dx_slices
     from fce_jax.kernels import grad_gemms as jg
-    from fce_jax.kernels import launch, mgpu
 
-    for module in (launch, mgpu, jg):
-        monkeypatch.setattr(module, "interpret_mode", lambda: False)
-    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
     s, bf, f16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float16, jnp.float32
-
-    def lowered(fn, *args):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    lowered = cuda_lowering
 
     # the default launch, then the compute warpgroups in turns (`pingpong`, which takes the unsliced GEMMs)
     for c, shapes in ((None, ((1024, 4096, 128256), (256, 4096, 128256), (1000, 640, 262144))),
@@ -1386,7 +1380,7 @@ def test_jax_mosaic_tree_sum_is_the_pairwise_tree():
     assert not np.array_equal(got, v.sum(dim=1).numpy())  # the order matters for these values
 
 
-def test_jax_mosaic_logit_tiles_lower_for_the_gpu(monkeypatch):
+def test_jax_mosaic_logit_tiles_lower_for_the_gpu(monkeypatch, cuda_lowering):
     """The Mosaic GPU logits GEMM as the GPU builds it (GEMM_MOSAIC, 132 programs), lowered for CUDA on this
     CPU at the bench's chunk shapes, with and without the tile values, and into a kept dZ from a traced row, also
     under shard_map(check_vma=True): Pallas' lowering and Mosaic GPU's layout inference accept it. And the tree's
@@ -1402,18 +1396,11 @@ def test_jax_mosaic_logit_tiles_lower_for_the_gpu(monkeypatch):
     from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
 
     from fce_core.config import GEMM, GEMM_MOSAIC
-    from fce_jax.kernels import launch, mgpu
     from fce_jax.kernels import logit_tiles_mgpu as jm
 
     assert GEMM_MOSAIC.tile_n == GEMM.tile_n  # the partials' width: the same bits as the default's
 
-    for module in (launch, mgpu, jm):
-        monkeypatch.setattr(module, "interpret_mode", lambda: False)
-    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
-    s = jax.ShapeDtypeStruct
-
-    def lowered(fn, *args):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    s, lowered = jax.ShapeDtypeStruct, cuda_lowering
 
     for n, h, v in ((1024, 4096, 128256), (512, 640, 262144), (768, 896, 151936), (200, 48, 320)):
         for store in (True, False):

@@ -260,24 +260,16 @@ def test_jax_logit_tiles_chooses_the_pingpong_kernel(monkeypatch):
     assert calls == [LOGITS_PINGPONG_MOSAIC, None, "triton"]
 
 
-def test_jax_pingpong_kernel_lowers_for_the_gpu(monkeypatch):
+def test_jax_pingpong_kernel_lowers_for_the_gpu(cuda_lowering):
     """The ping-pong kernel as the GPU builds it (LOGITS_PINGPONG_MOSAIC, 132 programs), lowered for CUDA on this CPU
     at the bench's chunk shapes: with and without the tile values, with q and pz, and into a kept dZ from a
     traced row."""
     import jax
     import jax.numpy as jnp
 
-    from fce_jax.kernels import launch, mgpu
     from fce_jax.kernels import logit_tiles_mgpu as jm
 
-    for module in (launch, mgpu, jm):
-        monkeypatch.setattr(module, "interpret_mode", lambda: False)
-    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
-    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-
-    def lowered(fn, *args):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
+    s, bf, lowered = jax.ShapeDtypeStruct, jnp.bfloat16, cuda_lowering
     for n, h, v in ((2048, 2048, 128256), (768, 640, 262144), (1280, 896, 151936)):
         for q_pz, store in ((False, True), (True, True), (False, False)):
             text = lowered(lambda x, w, y: jm.mosaic_logit_tiles(x, w, y, has_q=q_pz, has_pz=q_pz, store=store,
@@ -293,7 +285,7 @@ def test_jax_pingpong_kernel_lowers_for_the_gpu(monkeypatch):
                                    s((2048, 1024), bf), s((), jnp.int32))
 
 
-def test_jax_pingpong_loader_warps_lower_for_the_gpu(monkeypatch):
+def test_jax_pingpong_loader_warps_lower_for_the_gpu(monkeypatch, cuda_lowering):
     """`mgpu.pingpong`'s loader in one warp of the memory warpgroup and in all four (`PingPongConfig.loader_warps`
     of the logits GEMM; the short-K dW takes 4), lowered for CUDA on this CPU: the interpreter cannot run the one-warp
     form (it runs no core_map inside a kernel). A warp's scope names no "sm" axis, so the loader's program index
@@ -303,13 +295,10 @@ def test_jax_pingpong_loader_warps_lower_for_the_gpu(monkeypatch):
 
     from fce_core.config import GRAD_GEMM_MOSAIC
     from fce_jax.kernels import grad_gemms as jg
-    from fce_jax.kernels import launch, mgpu
     from fce_jax.kernels import logit_tiles_mgpu as jm
+    from fce_jax.kernels import mgpu
 
-    for module in (launch, mgpu, jm, jg):
-        monkeypatch.setattr(module, "interpret_mode", lambda: False)
-    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
-    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    s, bf, lowered = jax.ShapeDtypeStruct, jnp.bfloat16, cuda_lowering
     warps, schedule = [], mgpu.pingpong
 
     def recorded(*args, loader_warps=4, **kw):
@@ -317,10 +306,6 @@ def test_jax_pingpong_loader_warps_lower_for_the_gpu(monkeypatch):
         return schedule(*args, loader_warps=loader_warps, **kw)
 
     monkeypatch.setattr(mgpu, "pingpong", recorded)
-
-    def lowered(fn, *args):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
     for loader_warps in (1, 4):
         pp = dataclasses.replace(LOGITS_PINGPONG_MOSAIC, loader_warps=loader_warps)
         assert "mosaic_gpu" in lowered(lambda x, w, y: jm.mosaic_logit_tiles(
@@ -332,7 +317,7 @@ def test_jax_pingpong_loader_warps_lower_for_the_gpu(monkeypatch):
     assert warps == [1, 4, 4]
 
 
-def test_jax_default_takes_the_pingpong_kernel_where_the_config_says(monkeypatch):
+def test_jax_default_takes_the_pingpong_kernel_where_the_config_says(cuda_lowering):
     """The JAX twin's logits GEMM lowered for CUDA on this CPU: with GEMM (no launch given), Mosaic GPU's ping-pong
     kernel for a chunk of more than SHORT_ROWS 16-bit rows of at most `pingpong_max_hidden` columns whose tile values
     it stores; the Triton lowering's kernel without the tile values, into a kept dZ, for few rows (GEMM_SHORT), for
@@ -341,13 +326,8 @@ def test_jax_default_takes_the_pingpong_kernel_where_the_config_says(monkeypatch
     import jax
     import jax.numpy as jnp
 
-    from fce_jax.kernels import launch, mgpu
     from fce_jax.kernels import logit_tiles as jt
-    from fce_jax.kernels import logit_tiles_mgpu as jm
 
-    for module in (launch, mgpu, jm, jt):
-        monkeypatch.setattr(module, "interpret_mode", lambda: False)
-    monkeypatch.setattr(mgpu, "_cores", lambda: 132)
     s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     wide = GEMM.pingpong_max_hidden
     assert wide >= 896 and GEMM_SHORT.pingpong_max_hidden == 0
@@ -359,7 +339,7 @@ def test_jax_default_takes_the_pingpong_kernel_where_the_config_says(monkeypatch
 
         args = (s((n, h), dtype), s((v, h), dtype), s((n,), jnp.int32), s((v,), jnp.float32) if bias else None,
                 s((2 * n, v), dtype) if kept else None)
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = cuda_lowering(fn, *args)
         return "mosaic_gpu" if "mosaic_gpu" in text else "triton" if "triton" in text else text[-2000:]
 
     assert kernel(768, 640) == kernel(SHORT_ROWS + 64, wide) == kernel(768, 640, cfg=GEMM) == "mosaic_gpu"
