@@ -176,6 +176,19 @@ class SplitTileGradConfig:
 
 
 @dataclass(frozen=True)
+class DzPassConfig:
+    """The JAX twin's dZ pass over the tile values (fce_jax/kernels/tile_dlogits.py): on Pallas' Triton lowering
+    (TILE_ROWS' blocks), or with `mosaic` on Mosaic GPU (tile_dlogits_mgpu.py: persistent programs, blocks of
+    64 rows per compute warpgroup x block_cols moved by TMA, `num_stages` of them in flight). Elementwise: speed
+    only."""
+    NUMERICS = ()
+    mosaic: bool = False
+    compute_wgs: int = 2    # each rewriting 64 rows of a block (1 or 2)
+    block_cols: int = 64    # at most the logits GEMM's tile_n, so that a block lies in one tile
+    num_stages: int = 6
+
+
+@dataclass(frozen=True)
 class BudgetConfig:
     """Memory budgets of the planner (bytes) and the row granule of a chunk."""
     NUMERICS = ("logits", "kept_logits", "grouped_logits", "tiles", "row_multiple")  # chunk shapes: GEMM bits
@@ -326,6 +339,8 @@ GRAD_GEMM_INTERPRETER_TORCH = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_n=
 GRAD_GEMM_MOSAIC_INTERPRETER = dataclasses.replace(GRAD_GEMM_INTERPRETER, tile_m=128, tile_n=32, tma=True,
                                                    persistent=True, mosaic=True)
 TILE_ROWS = BlockConfig(block=16)  # rows per program of the tiled dlogits kernels and fce_jax's merge (speed only)
+# Opt-in until timed on the GPU against the Triton lowering's 3.85 TB/s (docs/PERFORMANCE.md, the port plan).
+DZ_PASS = DzPassConfig()
 # Rows per program of fce_torch's merge of the logits GEMM's partials, each program through all its rows' tiles:
 # at 16 a 768-row chunk (H = 640) ran on 48 programs of 132 multiprocessors; at 4, 0.141 ms a step against 0.326
 # (H100, bench/results/nvidia-h100/merge-rows/). Rows are independent: speed only.

@@ -104,8 +104,10 @@ def cuda_lowering(monkeypatch):
     from fce_jax.kernels import launch, mgpu
     from fce_jax.kernels import logit_tiles as jt
     from fce_jax.kernels import logit_tiles_mgpu as jm
+    from fce_jax.kernels import tile_dlogits as jd
+    from fce_jax.kernels import tile_dlogits_mgpu as jdm
 
-    for module in (launch, mgpu, jm, jt, jg):
+    for module in (launch, mgpu, jm, jt, jg, jd, jdm):
         monkeypatch.setattr(module, "interpret_mode", lambda: False)
     monkeypatch.setattr(mgpu, "_cores", lambda: 132)
     return lambda fn, *args: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

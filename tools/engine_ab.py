@@ -8,14 +8,16 @@ A variant is NAME:FIELD=VALUE[,FIELD=VALUE...] with FIELD one of
   gemm.pingpong_max_hidden=2048;
 - `pingpong.F`: a field of the ping-pong kernel's PingPongConfig (`logit_tiles.LOGITS_PINGPONG_MOSAIC`), e.g.
   pingpong.loader_warps=1;
+- `dz.F`: a field of the dZ pass's DzPassConfig (`fce_jax.kernels.tile_dlogits.DZ_PASS`), e.g. dz.mosaic=1 (the
+  pass on Mosaic GPU, port plan step 2);
 - `mgpu.C`: a constant of `fce_jax.kernels.mgpu`, e.g. mgpu.MEMORY_REGISTERS=56.
 These are launch settings: a variant whose bits differ from the defaults' is a defect, and the table says so.
 
     python tools/engine_ab.py [--rounds R] [--reps K] [--order calls|blocks] [--out F.json] [--variant V]...
         N,H,V ...
 
-Without --variant: the ping-pong kernel's loader in one warp with 4 epilogue parts, and that with the ping-pong
-kernel up to H = 2048. A development tool (GPU).
+Without --variant: the ping-pong kernel's loader in one warp with 4 epilogue parts, that with the ping-pong
+kernel up to H = 2048, and the dZ pass on Mosaic GPU. A development tool (GPU).
 """
 import argparse
 import contextlib
@@ -34,11 +36,13 @@ import numpy as np
 import fce_jax
 from bench.impls_jax import make_inputs
 from bench.timing import _back_to_back
-from fce_jax.kernels import logit_tiles, mgpu
+from fce_jax.kernels import logit_tiles, mgpu, tile_dlogits
 
 DEFAULT_VARIANTS = ["loader1w_p4:pingpong.loader_warps=1,pingpong.parts=4",
-                    "loader1w_p4_pp2048:pingpong.loader_warps=1,pingpong.parts=4,gemm.pingpong_max_hidden=2048"]
-TARGETS = {"gemm": (logit_tiles, "GEMM"), "pingpong": (logit_tiles, "LOGITS_PINGPONG_MOSAIC")}
+                    "loader1w_p4_pp2048:pingpong.loader_warps=1,pingpong.parts=4,gemm.pingpong_max_hidden=2048",
+                    "dz_mosaic:dz.mosaic=1"]
+TARGETS = {"gemm": (logit_tiles, "GEMM"), "pingpong": (logit_tiles, "LOGITS_PINGPONG_MOSAIC"),
+           "dz": (tile_dlogits, "DZ_PASS")}
 
 
 def parse_variant(text):
@@ -49,7 +53,7 @@ def parse_variant(text):
         key, _, value = item.partition("=")
         where, _, field = key.partition(".")
         if where not in (*TARGETS, "mgpu") or not field or not value:
-            raise argparse.ArgumentTypeError(f"expected gemm.F=V, pingpong.F=V or mgpu.C=V, got {item!r}")
+            raise argparse.ArgumentTypeError(f"expected gemm.F=V, pingpong.F=V, dz.F=V or mgpu.C=V, got {item!r}")
         if where == "mgpu" and not hasattr(mgpu, field):
             raise argparse.ArgumentTypeError(f"fce_jax.kernels.mgpu has no constant {field!r}")
         if where in TARGETS:

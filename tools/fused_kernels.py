@@ -123,7 +123,7 @@ def on_load_rows(n, h, v):
     fce_torch on its launches (GRAD_GEMM_TORCH_ON_LOAD, and the flattened / 256x128 ones, which spill), the
     JAX twin on the Triton lowering (the one that forms dZ on load) against its default; bits against the dZ
     path. The tile values and maxima are the logits GEMM's, of the fused plan's chunk at (n, h, v)."""
-    from fce_core.config import GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH_TALL
+    from fce_core.config import DZ_PASS, GRAD_GEMM_TORCH_ON_LOAD, GRAD_GEMM_TORCH_TALL
     from fce_jax.kernels.tile_dlogits import tile_dlogits as jax_tile_dlogits
     from fce_torch.kernels.tile_dlogits import tile_dlogits
 
@@ -168,6 +168,11 @@ def on_load_rows(n, h, v):
     jpass = jax.jit(lambda a: jax_tile_dlogits(a, mj, yj, zyj, None, cj, transform=Transform()))
     rows.append(dict(shape=(m, h, v), twin="jax", cfg="on load: dZ pass",
                      ms=best_ms(lambda: jpass(ej).block_until_ready())))
+    mosaic = dataclasses.replace(DZ_PASS, mosaic=True)  # port plan step 2: its bits against fce_torch's pass
+    jpass_m = jax.jit(lambda a: jax_tile_dlogits(a, mj, yj, zyj, None, cj, transform=Transform(), dz_cfg=mosaic))
+    rows.append(dict(shape=(m, h, v), twin="jax", cfg="on load: dZ pass (Mosaic GPU)",
+                     ms=best_ms(lambda: jpass_m(ej).block_until_ready()),
+                     bits=bool(np.array_equal(_bits(jpass_m(ej)), _bits(dz)))))
     # the operand's arrays go in as arguments (a jitted closure would hold them as constants), its form built inside
     for label, arrays, operand in (("GEMMs over dZ (default launches)", (dzj,), lambda a: a),
                                    ("GEMMs forming dZ (Triton lowering)", (ej, mj, yj, cj),

@@ -7,7 +7,8 @@
 #   source .whl/install.sh && bash tools/gpu_run.sh gputests peers parity op logprobs cpo sft profile
 # Jobs:
 #   gputests  pytest on the GPU: torch.compile (inductor), the float32 policy, the default engine's choice,
-#             the logits GEMM's ping-pong kernel and the gradient GEMMs' Gluon kernel against the Triton kernels
+#             the logits GEMM's ping-pong kernel and the gradient GEMMs' Gluon kernel against the Triton kernels,
+#             the JAX twin's Mosaic GPU dZ pass against the Triton lowering's
 #   peers     the peers' own test files against the drop-ins (needs .peers/sdist and .peers/cce-main carried)
 #   parity    python -m parity          op, logprobs, cpo, sft, profile: python -m bench <job>
 #   kernels   python tools/fused_kernels.py, the fused GEMMs one by one (KERNELS_ARGS="--grads 4096,4096,128256")
@@ -32,7 +33,8 @@ for job in "$@"; do
   case $job in
     gputests) FCE_TEST_DEVICE=cuda timeout "$limit" python -m pytest -q -p no:warnings -o addopts="" \
                 tests/test_compile.py tests/test_float32_policy.py tests/test_engine_choice.py \
-                tests/test_logits_pingpong.py tests/test_grad_gemms_gluon.py -m "gpu or not gpu" \
+                tests/test_logits_pingpong.py tests/test_grad_gemms_gluon.py tests/test_tile_dlogits_mgpu.py \
+                -m "gpu or not gpu" \
                 --junitxml "$results/$job/junit.xml" 2>&1 |
                 tail -25 ;;
     peers)    timeout "$limit" python -m tests.peers --device cuda --offline --json "$results/$job/peers.json" &&
