@@ -4,7 +4,7 @@ statistics epilogue in both twins (time, TFLOP/s, the twins' bits of the tile va
 cuBLAS / XLA's plain logits GEMM; then the dX and dW GEMMs and the (hi, lo) accumulation, in each twin's
 launch variants (fce_torch's Triton, the JAX twin's Mosaic GPU and Triton), every one's bits against fce_torch's
 default; and with --on-load a chunk's backward with dZ formed on the GEMMs' operand load against the dZ pass
-(`on_load_rows`).
+(`on_load_rows`; the JAX twin's pass also on Mosaic GPU, DzPassConfig.mosaic, its bits against fce_torch's).
 The logits variants (TMA loads, persistent programs) are fce_torch's; the JAX twin runs its one kernel for
 each. A development tool: its table guides GemmConfig and GradGemmConfig.
 

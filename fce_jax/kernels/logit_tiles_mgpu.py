@@ -24,15 +24,15 @@ product into a sum (NUMERICS):
   columns, then the lanes 1 and 2 apart: `tree_sum`). Its interpret mode, whose reductions are XLA's, adds
   the 8 columns by `pairwise_sum` instead;
 - e = 2^((z - m) log2 e) by `ex2.approx.ftz.f32` (`approx_math`), rounded to the input dtype once;
-- the product e (z - m_t) of the entropy's sum passes an optimization barrier before the tree adds it: Mosaic
-  GPU allows LLVM to contract a product and a sum into an FMA, where the Triton kernels round the product
-  (`fastmath.mul`).
+- the product e (z - m_t) of the entropy's sum is `fastmath.mul`'s `mul.rn.f32`, as in the Triton kernels: Mosaic
+  GPU allows LLVM to contract a product and a sum into an FMA, and ptxas contracts a plain `mul.f32` into the
+  add after it (an optimization barrier, used before, stopped LLVM only; the bits with pz differed on the H100).
 
-The bias is added in float32 and the temperature divides (`z / T`, an IEEE division, as `fastmath.div`). The
+The bias is added in float32 and the temperature divides (`fastmath.div`'s `div.rn.f32`). The
 tile maxima ignore NaN as Triton's `tl.max` does, by `max.f32` (`_row_max`; Mosaic GPU's `jnp.max` propagates
 NaN): a tile row of NaN alone gives NaN, as Triton's. The target logit ignores NaN too (-inf where it is NaN).
-Smoothing's class-weighted products `w_c (z − m_t)` (float32 class weights) pass the same barrier as the
-entropy's. A softcap stays on the Triton lowering (`supports`).
+Smoothing's class-weighted products `w_c (z − m_t)` (float32 class weights) are `fastmath.mul`'s too. These
+instructions have not run on a GPU in this kernel yet. A softcap stays on the Triton lowering (`supports`).
 """
 import functools
 
@@ -43,9 +43,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxlib.mlir.dialects import arith
 
+from . import fastmath as fm
 from . import mgpu
 from .mgpu import COMPUTE_WGS, MEMORY_REGISTERS
-from .fastmath import LOG2E
+from .fastmath import LOG2E, MOSAIC
 from .launch import interpret_mode, typed
 from ..sums import pairwise_sum
 
@@ -173,7 +174,7 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
                     if has_bias:
                         total = total + col[0]
                     if temperature != 1.0:
-                        total = total / temperature
+                        total = fm.div(total, temperature, _asm())
                     plgpu.barrier_wait(bars.at[wg])
 
                     def store_e(_, e):
@@ -260,6 +261,11 @@ def _target_tiles(y_safe, rows, tile_n, n_tiles):
     return jnp.zeros((y_safe.shape[0] // rows, n_tiles), jnp.int32).at[blocks, y_safe // tile_n].set(1)
 
 
+def _asm():
+    """fastmath's instructions on the GPU, plain operations in the interpreter."""
+    return False if interpret_mode() else MOSAIC
+
+
 def _rows(v_gmem, r0, rows):
     """v_gmem[r0 : r0 + rows] in registers, laid out as the rows of a WGMMA tile (the interpreter: plain)."""
     if interpret_mode():
@@ -342,9 +348,9 @@ def _statistics(total, y, c0, vocab, has_q, has_pz, cw, *, parts=1, store_e=None
             d = lax.cond(partial, lambda d=d, in_v=in_v: jnp.where(local < in_v, d, 0.0), lambda d=d: d)
         if has_q:  # a weighted product rounded, never an FMA with the tree's adds
             cols = slice(j * width, (j + 1) * width)
-            sums_j.append(tree_sum(d if cw is None else lax.optimization_barrier(cw[:, cols] * d)))
+            sums_j.append(tree_sum(d if cw is None else fm.mul(cw[:, cols], d, _asm())))
         if has_pz:
-            sums_j.append(tree_sum(lax.optimization_barrier(e * d)))  # rounded, never an FMA with the tree's adds
+            sums_j.append(tree_sum(fm.mul(e, d, _asm())))  # rounded, never an FMA with the tree's adds
         sums.append(sums_j)
     s, *q_pz = _halves_sum(sums)
     return [m_t, s, amax, zy, *q_pz]
