@@ -141,7 +141,7 @@ class _Sweep:
             dx_c, dw, db = self.add(TileValues(e, parts["m"], local, out, gemm_config().tile_n), x_c, *acc)
             return (dw, db), out, dx_c
         dz = tile_dlogits(e, parts["m"], local, stats["zy"], self.class_weights, out, transform=self.transform,
-                          row0=row0)
+                          row0=row0, row0_multiple=r0_multiple)
         if trace is not None:
             trace["dlogits"] = dz[rows]
         if self.keep:

@@ -13,6 +13,7 @@ import pytest
 
 from fce_core.config import DZ_PASS, GEMM, GEMM_INTERPRETER
 from fce_core.options import Transform
+from fce_core.plan import cdiv
 from fce_jax.kernels import tile_dlogits_mgpu
 from fce_jax.kernels.tile_dlogits import tile_dlogits
 
@@ -77,15 +78,21 @@ def _pass(inp, tr, cfg):
         e, m, y, zy, cw, coef, transform=tr, cfg=GEMM_INTERPRETER, dz_cfg=cfg))(*args, cw, coef))
 
 
+@pytest.fixture
+def taken(monkeypatch):
+    """The calls that took the Mosaic GPU pass (a list, one entry each)."""
+    calls = []
+    run = tile_dlogits_mgpu.mosaic_tile_dlogits
+    monkeypatch.setattr(tile_dlogits_mgpu, "mosaic_tile_dlogits", lambda *a, **k: calls.append(1) or run(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("name, wgs", [(name, 2) for name in CASES] + [("bf16_two_row_blocks", 1)])
-def test_mosaic_dz_pass_bits_and_values(name, wgs, monkeypatch):
+def test_mosaic_dz_pass_bits_and_values(name, wgs, taken):
     """With two compute warpgroups (the default) and with one."""
     n, v, dtype, cw, entropy, softcap, temperature, scale = CASES[name]
     inp = _inputs(n, v, dtype, cw, entropy, scale, seed=len(name))
     tr = Transform(softcap=softcap, temperature=temperature)
-    taken = []
-    run = tile_dlogits_mgpu.mosaic_tile_dlogits
-    monkeypatch.setattr(tile_dlogits_mgpu, "mosaic_tile_dlogits", lambda *a, **k: taken.append(1) or run(*a, **k))
     got = _pass(inp, tr, dataclasses.replace(MOSAIC, compute_wgs=wgs))
     assert taken, "the Mosaic GPU pass was not taken"
     lowering = _pass(inp, tr, DZ_PASS)
@@ -99,13 +106,14 @@ def test_mosaic_dz_pass_bits_and_values(name, wgs, monkeypatch):
 
 
 def test_mosaic_dz_pass_takes_only_whole_16_bit_arrays():
-    """The pass needs 16-bit tile values, rows of whole 16 bytes, and the array's own rows from row 0; elsewhere
-    the Triton lowering's kernel runs."""
+    """The pass needs 16-bit tile values, rows of whole 16 bytes, and all of the array's rows or whole 128-row
+    blocks from a multiple of 8; elsewhere the Triton lowering's kernel runs."""
     tile_n = GEMM_INTERPRETER.tile_n
 
-    def ok(e_shape, dtype=jnp.bfloat16, n=None, row0=0):
+    def ok(e_shape, dtype=jnp.bfloat16, n=None, row0=0, row0_multiple=1):
         n = e_shape[0] if n is None else n
-        return tile_dlogits_mgpu.supports(S(e_shape, dtype), S((n, 5), jnp.float32), row0, MOSAIC, tile_n)
+        return tile_dlogits_mgpu.supports(S(e_shape, dtype), S((n, 5), jnp.float32), row0, MOSAIC, tile_n,
+                                          row0_multiple)
 
     assert ok((70, 136))
     assert not ok((70, 136), jnp.float32)
@@ -113,21 +121,26 @@ def test_mosaic_dz_pass_takes_only_whole_16_bit_arrays():
     assert not ok((72, 136), n=70)
     assert not ok((70, 136), row0=2)
     assert not ok((70, 136), row0=jnp.int32(0))
+    assert ok((300, 136), n=128, row0=8) and ok((300, 136), n=256, row0=jnp.int32(0), row0_multiple=64)
+    assert not ok((300, 136), n=128, row0=4) and not ok((300, 136), n=192, row0=8)
 
 
-@pytest.mark.parametrize("cw, entropy, softcap, temperature", [(False, False, None, 1.0), (True, True, 30.0, 0.7)])
-def test_mosaic_dz_pass_lowers_for_cuda(cuda_lowering, cw, entropy, softcap, temperature):
-    n, v = 768, 262144
+@pytest.mark.parametrize("cw, entropy, softcap, temperature, kept", [(False, False, None, 1.0, False),
+                                                                     (True, True, 30.0, 0.7, False),
+                                                                     (False, False, None, 1.0, True)])
+def test_mosaic_dz_pass_lowers_for_cuda(cuda_lowering, cw, entropy, softcap, temperature, kept):
+    """A chunk of the bench's H = 640 plan, and a kept group's chunk of 1024 rows at a traced row of 4096."""
+    n, v = (1024, 128256) if kept else (768, 262144)
     tr = Transform(softcap=softcap, temperature=temperature)
     coef = {k: S((n,), jnp.float32) for k in ("lse", "a", "b", "c", *(("d", "mu") if entropy else ()))}
-    text = cuda_lowering(lambda e, m, y, zy, cw, coef: tile_dlogits(e, m, y, zy, cw, coef, transform=tr, cfg=GEMM,
-                                                                    dz_cfg=MOSAIC),
-                         S((n, v), jnp.bfloat16), S((n, v // GEMM.tile_n), jnp.float32), S((n,), jnp.int32),
-                         S((n,), jnp.float32), S((v,), jnp.float32) if cw else None, coef)
+    text = cuda_lowering(lambda e, r0, m, y, zy, cw, coef: tile_dlogits(
+        e, m, y, zy, cw, coef, transform=tr, row0=r0 if kept else 0, row0_multiple=n, cfg=GEMM, dz_cfg=MOSAIC),
+        S((4096 if kept else n, v), jnp.bfloat16), S((), jnp.int32), S((n, cdiv(v, GEMM.tile_n)), jnp.float32),
+        S((n,), jnp.int32), S((n,), jnp.float32), S((v,), jnp.float32) if cw else None, coef)
     assert "mosaic_gpu" in text and "triton_kernel_call" not in text
 
 
-def test_engine_with_the_mosaic_dz_pass_gives_the_same_bits(monkeypatch):
+def test_engine_with_the_mosaic_dz_pass_gives_the_same_bits(monkeypatch, taken):
     """fce_jax's fused engine, gradients included, in chunks: the same loss, dX and dW with the pass on Mosaic GPU
     as on the Triton lowering."""
     import fce_jax
@@ -145,11 +158,32 @@ def test_engine_with_the_mosaic_dz_pass_gives_the_same_bits(monkeypatch):
                 for a in (loss_fn(x, w), *jax.grad(loss_fn, (0, 1))(x, w))]
 
     lowering = grads()
-    taken = []
-    run = tile_dlogits_mgpu.mosaic_tile_dlogits
-    monkeypatch.setattr(tile_dlogits_mgpu, "mosaic_tile_dlogits", lambda *a, **k: taken.append(1) or run(*a, **k))
+    assert not taken
     monkeypatch.setattr(td, "DZ_PASS", MOSAIC)
     mosaic = grads()
     assert taken, "the Mosaic GPU pass was not taken"
     for a, b in zip(lowering, mosaic):
         assert np.array_equal(a, b)
+
+
+def test_mosaic_dz_pass_into_rows_of_a_larger_array(taken):
+    """The kept dZ's group: whole 128-row blocks at a traced first row of a larger array, as the Triton lowering's
+    pass writes them, every other row untouched."""
+    n, v, extra, row0 = 256, 136, 40, 16
+    inp = _inputs(n, v, jnp.bfloat16, True, False, 3.0, seed=11)
+    rng = np.random.default_rng(12)
+    big = rng.standard_normal((n + extra, v)).astype(jnp.bfloat16)
+    big[row0:row0 + n] = inp["e"]
+    args = [jnp.asarray(inp[k]) for k in ("m_t", "y", "zy")]
+    coef = {k: jnp.asarray(c) for k, c in inp["coef"].items()}
+
+    def run(cfg):
+        return np.asarray(jax.jit(lambda e, r0, m, y, zy, cw, coef: tile_dlogits(
+            e, m, y, zy, cw, coef, transform=Transform(), row0=r0, row0_multiple=16, cfg=GEMM_INTERPRETER,
+            dz_cfg=cfg))(jnp.asarray(big), jnp.int32(row0), *args, jnp.asarray(inp["cw"]), coef))
+
+    got = run(MOSAIC)
+    assert taken, "the Mosaic GPU pass was not taken"
+    assert np.array_equal(got.view(np.uint16), run(DZ_PASS).view(np.uint16))
+    assert np.array_equal(np.delete(got, np.s_[row0:row0 + n], 0).view(np.uint16),
+                          np.delete(big, np.s_[row0:row0 + n], 0).view(np.uint16))

@@ -99,11 +99,13 @@ def _tile_dlogits_kernel(e_ref, mt_ref, y_ref, zy_ref, cw_ref, lse_ref, a_ref, b
     pltriton.store(dz_ref.at[block], dz.astype(dz_ref.dtype), mask=mask)
 
 
-def tile_dlogits(e, m_tiles, y, zy, class_weights, coef, *, transform, row0=0, cfg=None, dz_cfg=None):
+def tile_dlogits(e, m_tiles, y, zy, class_weights, coef, *, transform, row0=0, row0_multiple=1, cfg=None,
+                 dz_cfg=None):
     """dZ over the tile values: rows [row0, row0 + n) of `e` (n = the rows of `m_tiles` [n, T]) rewritten in
     place (the returned array is `e`, updated), given the rows' exact target logits `zy` and the head's lse,
     a, b, c (and d, mu). `dz_cfg` (DZ_PASS by default): with `mosaic`, on Mosaic GPU where its kernel takes
-    these tile values (`tile_dlogits_mgpu.supports`), with the same bits; else on the Triton lowering."""
+    these tile values (`tile_dlogits_mgpu.supports`; a traced row0 a multiple of `row0_multiple`), with the same
+    bits; else on the Triton lowering."""
     from . import tile_dlogits_mgpu  # which imports this module's dz_block
 
     n, n_tiles = m_tiles.shape
@@ -111,9 +113,9 @@ def tile_dlogits(e, m_tiles, y, zy, class_weights, coef, *, transform, row0=0, c
         return e
     dz_cfg = DZ_PASS if dz_cfg is None else dz_cfg
     tile_n = gemm_config(cfg).tile_n
-    if dz_cfg.mosaic and tile_dlogits_mgpu.supports(e, m_tiles, row0, dz_cfg, tile_n):
+    if dz_cfg.mosaic and tile_dlogits_mgpu.supports(e, m_tiles, row0, dz_cfg, tile_n, row0_multiple):
         return tile_dlogits_mgpu.mosaic_tile_dlogits(e, m_tiles, y, zy, class_weights, coef, transform=transform,
-                                                     tile_n=tile_n, cfg=dz_cfg)
+                                                     tile_n=tile_n, cfg=dz_cfg, row0=row0)
     dummy = jnp.zeros((1,), F32)
     entropy = "d" in coef
     return call(_tile_dlogits_kernel, out_shape=jax.ShapeDtypeStruct(e.shape, e.dtype),

@@ -9,8 +9,8 @@ streaming multiprocessor, each over every that-many-th block of 64 rows per comp
 columns (column blocks fastest). A memory warpgroup loads a block by TMA with its rows' coefficients, their tile
 maxima and its columns' class weights, `num_stages` blocks in flight; each compute warpgroup rewrites its 64 rows
 and stores them in place by TMA from two slots of its own, under the next block's arithmetic. TMA clips a store
-that crosses the array's last row or column, so the tile values must be the array's rows, all of them
-(`supports`).
+that crosses the array's last row or column, so the tile values are all of the array's rows, or whole blocks of
+rows (the kept dZ's group, whose chunks go into one array from a traced row; `supports`).
 """
 import functools
 
@@ -28,15 +28,23 @@ F32 = jnp.float32
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
 COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)
 WG_ROWS = 64  # rows of a compute warpgroup's WGMMA-layout part of a block
+ROW0_MULTIPLE = 8  # a first row of whole 8-row tiles of the blocks' shared-memory layout
 
 
-def supports(e, m_tiles, row0, cfg, tile_n):
-    """Whether this kernel runs the pass: 16-bit tile values, rows of whole 16 bytes (TMA), the array's own rows
-    from row 0 (its stores write whole blocks, clipped only at the array's end), one or two compute warpgroups,
-    blocks inside one logits tile, and at least one row."""
+def supports(e, m_tiles, row0, cfg, tile_n, row0_multiple=1):
+    """Whether this kernel runs the pass over rows [row0, row0 + n) of `e` (n: the rows of `m_tiles`): 16-bit tile
+    values, rows of whole 16 bytes (TMA), one or two compute warpgroups, blocks inside one logits tile, at least
+    one row, and either all of the array's rows (TMA clips the loads and stores of a block that crosses its end)
+    or whole blocks of rows from a multiple of 8 (the blocks' shared-memory tiles; traced, by the caller's word
+    `row0_multiple`): the kept dZ's group, whose chunks go into one array."""
     n = m_tiles.shape[0]
-    return (jnp.dtype(e.dtype).itemsize == 2 and e.shape[1] % 8 == 0 and isinstance(row0, int) and row0 == 0
-            and e.shape[0] == n > 0 and cfg.compute_wgs in (1, 2) and tile_n % _cols(cfg, tile_n) == 0)
+    blocks = n % _rows(cfg) == 0 and (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
+    return (jnp.dtype(e.dtype).itemsize == 2 and e.shape[1] % 8 == 0 and n > 0 and cfg.compute_wgs in (1, 2)
+            and tile_n % _cols(cfg, tile_n) == 0 and (_whole(e, n, row0) or blocks))
+
+
+def _whole(e, n, row0):
+    return isinstance(row0, int) and row0 == 0 and e.shape[0] == n
 
 
 def _cols(cfg, tile_n):
@@ -47,8 +55,8 @@ def _rows(cfg):
     return WG_ROWS * cfg.compute_wgs
 
 
-def _kernel(mt_gmem, y_gmem, lse_gmem, a_gmem, b_gmem, c_gmem, cw_gmem, zy_gmem, d_gmem, mu_gmem, e_gmem, *,
-            n_rows, vocab, tile_n, transform, has_cw, entropy, cfg):
+def _kernel(row0_gmem, mt_gmem, y_gmem, lse_gmem, a_gmem, b_gmem, c_gmem, cw_gmem, zy_gmem, d_gmem, mu_gmem,
+            e_gmem, *, n_rows, vocab, tile_n, transform, has_cw, entropy, whole, cfg):
     br, bc = _rows(cfg), _cols(cfg, tile_n)
     n_cb = pl.cdiv(vocab, bc)
     program, programs = lax.axis_index("sm"), lax.axis_size("sm")
@@ -62,7 +70,9 @@ def _kernel(mt_gmem, y_gmem, lse_gmem, a_gmem, b_gmem, c_gmem, cw_gmem, zy_gmem,
     tile = plgpu.BlockSpec((br, bc), block, transforms=mgpu.transforms(bc, e_gmem.dtype))
     rows = plgpu.BlockSpec((br,), lambda s: (block(s)[0],))
     maxima = plgpu.BlockSpec((1, br), lambda s: (lax.div(block(s)[1] * bc, tile_n), block(s)[0]))
-    named = [(e_gmem, tile), (mt_gmem, maxima), *((g, rows) for g in (y_gmem, lse_gmem, a_gmem, b_gmem, c_gmem)),
+    row0 = pl.multiple_of(row0_gmem[0], ROW0_MULTIPLE)
+    tiles = e_gmem if whole else e_gmem.at[pl.ds(row0, n_rows)]  # whole blocks of the rows (`supports`)
+    named = [(tiles, tile), (mt_gmem, maxima), *((g, rows) for g in (y_gmem, lse_gmem, a_gmem, b_gmem, c_gmem)),
              *[(cw_gmem, plgpu.BlockSpec((bc,), lambda s: (block(s)[1],)))] * has_cw,
              *[(zy_gmem, rows)] * needs_zy, *[(d_gmem, rows), (mu_gmem, rows)] * entropy]
 
@@ -88,7 +98,11 @@ def _kernel(mt_gmem, y_gmem, lse_gmem, a_gmem, b_gmem, c_gmem, cw_gmem, zy_gmem,
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot, two blocks ago, has read it
         slot[...] = dz.astype(slot.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(slot, e_gmem.at[pl.ds(rb * br + wg * WG_ROWS, WG_ROWS), pl.ds(cb * bc, bc)])
+        first = rb * br + wg * WG_ROWS
+
+        @pl.when(first < n_rows)  # rows past the array's end
+        def _store():
+            plgpu.copy_smem_to_gmem(slot, e_gmem.at[pl.ds(row0 + first, WG_ROWS), pl.ds(cb * bc, bc)])
 
     # each compute warpgroup stores its rows from two slots of its own (Mosaic GPU's interpret mode runs no
     # pipelined output), each block's store under the next block's arithmetic
@@ -116,20 +130,21 @@ def _iota(shape):
     return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
 
 
-def mosaic_tile_dlogits(e, m_tiles, y, zy, class_weights, coef, *, transform, tile_n, cfg):
-    """tile_dlogits' pass on Mosaic GPU, where `supports` holds: `e` [n, V] rewritten into dZ (returned)."""
-    n, vocab = e.shape
+def mosaic_tile_dlogits(e, m_tiles, y, zy, class_weights, coef, *, transform, tile_n, cfg, row0=0):
+    """tile_dlogits' pass on Mosaic GPU, where `supports` holds: rows [row0, row0 + n) of `e` rewritten into dZ
+    (the array returned)."""
+    n, vocab = m_tiles.shape[0], e.shape[1]
     br, bc = _rows(cfg), _cols(cfg, tile_n)
     entropy = "d" in coef
     dummy = jnp.zeros((br,), F32)
     body = functools.partial(_kernel, n_rows=n, vocab=vocab, tile_n=tile_n, transform=transform,
-                             has_cw=class_weights is not None, entropy=entropy, cfg=cfg)
+                             has_cw=class_weights is not None, entropy=entropy, whole=_whole(e, n, row0), cfg=cfg)
     [e_ref] = mgpu.in_place([e])
     # the maxima [T, n]: each tile's column of them a row that TMA loads, n padded to whole 16-byte rows
     maxima = jnp.pad(m_tiles, ((0, -n % 4), (0, 0))).T
     mgpu.kernel(body, out_type=(), programs=mgpu.programs(pl.cdiv(n, br) * pl.cdiv(vocab, bc)),
                 compute_threads=cfg.compute_wgs)(
-        maxima, y, coef["lse"], coef["a"], coef["b"], coef["c"],
+        jnp.asarray(row0, jnp.int32).reshape(1), maxima, y, coef["lse"], coef["a"], coef["b"], coef["c"],
         dummy if class_weights is None else class_weights, dummy if zy is None else zy,
         coef["d"] if entropy else dummy, coef["mu"] if entropy else dummy, e_ref)
     return e_ref[...]
