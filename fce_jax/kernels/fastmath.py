@@ -9,6 +9,7 @@ inline assembly: there (`asm=False`) the same formulas run with plain operations
 import struct
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
@@ -39,8 +40,6 @@ def _asm(op, asm, *args):
 def _asm_mosaic(op, *args):
     """`op` on Mosaic GPU: the array arguments (broadcast to one shape, laid out as a WGMMA tile or, 1-d, as its
     rows) as operands, the Python numbers as immediates (float32)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     arrays = [a for a in args if not isinstance(a, (int, float))]
     shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in arrays))
     arrays = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in arrays]

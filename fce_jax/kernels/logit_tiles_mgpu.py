@@ -45,15 +45,14 @@ from jaxlib.mlir.dialects import arith
 
 from . import fastmath as fm
 from . import mgpu
-from .mgpu import COMPUTE_WGS, MEMORY_REGISTERS
-from .fastmath import LOG2E, MOSAIC
+from .mgpu import COMPUTE_WGS, MEMORY_REGISTERS, ROW0_MULTIPLE
+from .fastmath import LOG2E
 from .launch import interpret_mode, typed
 from ..sums import pairwise_sum
 
 F32 = jnp.float32
 I32_MAX = jnp.iinfo(jnp.int32).max
 LEAF = 8           # columns of a tree leaf: a thread's pair of columns and the 4 lanes holding the rest
-ROW0_MULTIPLE = 8  # the tile values' first row: whole tiles of the stores' shared-memory layout
 X_ROW_TILING = 8   # the rows of x's TMA loads' shared-memory tiles
 
 
@@ -100,7 +99,7 @@ def _operands_fit(x, w, bias, class_weights, transform, into, out_rows, row0, ro
     """`supports`' rules on the operands and the rows of e, for both kernels' 64-row blocks. x's rows: fewer than
     X_ROW_TILING or a multiple of it (jax 0.11's lowering of x's TMA loads refuses other counts; its interpret
     mode takes them)."""
-    aligned = (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
+    aligned = mgpu.row0_aligned(row0, row0_multiple)
     rows = x.shape[0]
     return (jnp.dtype(x.dtype).itemsize == 2 and x.dtype == w.dtype and 0 < rows
             and (rows < X_ROW_TILING or rows % X_ROW_TILING == 0) and x.shape[1] % 8 == 0
@@ -174,7 +173,7 @@ def _kernel(x_gmem, w_gmem, y_gmem, row0_gmem, *refs, n_rows, vocab, hidden, n_t
                     if has_bias:
                         total = total + col[0]
                     if temperature != 1.0:
-                        total = fm.div(total, temperature, _asm())
+                        total = fm.div(total, temperature, mgpu.asm())
                     plgpu.barrier_wait(bars.at[wg])
 
                     def store_e(_, e):
@@ -261,11 +260,6 @@ def _target_tiles(y_safe, rows, tile_n, n_tiles):
     return jnp.zeros((y_safe.shape[0] // rows, n_tiles), jnp.int32).at[blocks, y_safe // tile_n].set(1)
 
 
-def _asm():
-    """fastmath's instructions on the GPU, plain operations in the interpreter."""
-    return False if interpret_mode() else MOSAIC
-
-
 def _rows(v_gmem, r0, rows):
     """v_gmem[r0 : r0 + rows] in registers, laid out as the rows of a WGMMA tile (the interpreter: plain)."""
     if interpret_mode():
@@ -348,9 +342,9 @@ def _statistics(total, y, c0, vocab, has_q, has_pz, cw, *, parts=1, store_e=None
             d = lax.cond(partial, lambda d=d, in_v=in_v: jnp.where(local < in_v, d, 0.0), lambda d=d: d)
         if has_q:  # a weighted product rounded, never an FMA with the tree's adds
             cols = slice(j * width, (j + 1) * width)
-            sums_j.append(tree_sum(d if cw is None else fm.mul(cw[:, cols], d, _asm())))
+            sums_j.append(tree_sum(d if cw is None else fm.mul(cw[:, cols], d, mgpu.asm())))
         if has_pz:
-            sums_j.append(tree_sum(fm.mul(e, d, _asm())))  # rounded, never an FMA with the tree's adds
+            sums_j.append(tree_sum(fm.mul(e, d, mgpu.asm())))  # rounded, never an FMA with the tree's adds
         sums.append(sums_j)
     s, *q_pz = _halves_sum(sums)
     return [m_t, s, amax, zy, *q_pz]

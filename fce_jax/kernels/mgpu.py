@@ -23,6 +23,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
+from .fastmath import MOSAIC
 from .launch import interpret_mode
 
 SHARED_BYTES = 216 * 1024  # of the H200's 227 KiB per block: the pipeline's stages and the epilogue's tiles
@@ -33,11 +34,23 @@ COMPUTE_WGS = 2  # compute warpgroups of a block, in every kernel here (the memo
 MEMORY_REGISTERS = 40
 COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // COMPUTE_WGS // 8 * 8
 INTERPRETER_POOL_THREADS = 8  # blocked at once at most: a launch's callback and 3 warpgroups, with room to spare
+ROW0_MULTIPLE = 8  # a first row of tile values in whole 8-row tiles of the blocks' shared-memory layout
 
 
 @functools.lru_cache(maxsize=None)
 def _cores():
     return jax.devices()[0].core_count
+
+
+def asm():
+    """fastmath's `asm` in a Mosaic GPU kernel: its instructions on the GPU, plain operations in the interpreter."""
+    return False if interpret_mode() else MOSAIC
+
+
+def row0_aligned(row0, row0_multiple):
+    """Whether tile values' first row `row0` (an int, or traced: a multiple of the caller's `row0_multiple`) is a
+    multiple of ROW0_MULTIPLE."""
+    return (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
 
 
 def programs(items):

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import mgpu
-from .fastmath import MOSAIC
+from .mgpu import ROW0_MULTIPLE
 from .launch import interpret_mode
 from .tile_dlogits import dz_block
 
@@ -28,7 +28,6 @@ F32 = jnp.float32
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
 COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)
 WG_ROWS = 64  # rows of a compute warpgroup's WGMMA-layout part of a block
-ROW0_MULTIPLE = 8  # a first row of whole 8-row tiles of the blocks' shared-memory layout
 
 
 def supports(e, m_tiles, row0, cfg, tile_n, row0_multiple=1):
@@ -38,7 +37,7 @@ def supports(e, m_tiles, row0, cfg, tile_n, row0_multiple=1):
     or whole blocks of rows from a multiple of 8 (the blocks' shared-memory tiles; traced, by the caller's word
     `row0_multiple`): the kept dZ's group, whose chunks go into one array."""
     n = m_tiles.shape[0]
-    blocks = n % _rows(cfg) == 0 and (row0 if isinstance(row0, int) else row0_multiple) % ROW0_MULTIPLE == 0
+    blocks = n % _rows(cfg) == 0 and mgpu.row0_aligned(row0, row0_multiple)
     return (jnp.dtype(e.dtype).itemsize == 2 and e.shape[1] % 8 == 0 and n > 0 and cfg.compute_wgs in (1, 2)
             and tile_n % _cols(cfg, tile_n) == 0 and (_whole(e, n, row0) or blocks))
 
@@ -93,7 +92,7 @@ def _kernel(row0_gmem, mt_gmem, y_gmem, lse_gmem, a_gmem, b_gmem, c_gmem, cw_gme
         cols = cb * bc + _iota((WG_ROWS, bc))
         e = _load(e_smem.at[own], plgpu.Layout.WGMMA).astype(F32)
         dz = dz_block(e, rows_of(mt_smem.at[0]), y, lse, a, b, c, live, cols, cw, zy, d, mu, transform,
-                      False if interpret_mode() else MOSAIC)
+                      mgpu.asm())
         slot = out_smem.at[wg, lax.rem(idx[0], 2)]
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot, two blocks ago, has read it
         slot[...] = dz.astype(slot.dtype)
